@@ -1,0 +1,194 @@
+// CUDA FFI handlers of repeat. The forward moves 16-byte chunks where x's rows allow it, one
+// output row per block row so that each thread does a single modulo; the backward gives each x
+// element one thread (or a warp, or a block, when x is small and the copies many) that sums its
+// copies in a fixed order and tree.
+#include <cstdint>
+#include <string>
+
+#include "jax_kernels/cuda_util.h"
+#include "jax_kernels/ffi_util.h"
+#include "jax_kernels/repeat.h"
+
+namespace jax_kernels {
+namespace {
+
+constexpr int kThreads = 256;
+
+// Rows of at least one block: grid.x tiles a row, grid.y strides over rows; the x offset of a
+// row is computed once per block.
+template <class Chunk>
+__global__ void repeat_rows_kernel(const Chunk* __restrict__ x, Chunk* __restrict__ out,
+                                   RepeatGeometry g, int64_t rows) {
+  __shared__ int64_t x_row_offset;
+  const int last = g.rank - 1;
+  const int64_t x_row = g.size[last];
+  const int64_t out_row = x_row * g.repeats[last];
+  const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t x_col = j % x_row;
+  for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
+    if (threadIdx.x == 0) x_row_offset = g.x_offset(row * out_row);
+    __syncthreads();
+    if (j < out_row) out[row * out_row + j] = x[x_row_offset + x_col];
+    __syncthreads();
+  }
+}
+
+// Short rows: one output chunk per thread with the full index map.
+template <class Chunk>
+__global__ void repeat_flat_kernel(const Chunk* __restrict__ x, Chunk* __restrict__ out,
+                                   RepeatGeometry g) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < g.out_count; i += stride)
+    out[i] = x[g.x_offset(i)];
+}
+
+template <class Chunk>
+void launch_forward(cudaStream_t stream, const void* x, void* out, const RepeatGeometry& g) {
+  const int last = g.rank - 1;
+  const int64_t out_row = g.size[last] * g.repeats[last];
+  const int64_t rows = g.out_count / out_row;
+  if (out_row >= kThreads) {
+    const dim3 grid(unsigned((out_row + kThreads - 1) / kThreads),
+                    unsigned(std::min<int64_t>(rows, 65535)));
+    repeat_rows_kernel<Chunk><<<grid, kThreads, 0, stream>>>(static_cast<const Chunk*>(x),
+                                                             static_cast<Chunk*>(out), g, rows);
+  } else {
+    repeat_flat_kernel<Chunk><<<grid_blocks(g.out_count, kThreads), kThreads, 0, stream>>>(
+        static_cast<const Chunk*>(x), static_cast<Chunk*>(out), g);
+  }
+}
+
+ffi::Error repeat_forward(cudaStream_t stream, ffi::AnyBuffer x, ffi::Span<const int64_t> repeats,
+                          ffi::Result<ffi::AnyBuffer> out) {
+  RepeatGeometry g;
+  const std::string problem = make_repeat_geometry(
+      x.dimensions().begin(), int(x.dimensions().size()), out->dimensions().begin(),
+      int(out->dimensions().size()), repeats.begin(), int(repeats.size()), &g);
+  if (!problem.empty()) return ffi::Error::InvalidArgument("repeat: " + problem);
+  if (g.out_count == 0) return ffi::Error::Success();
+  // Move the widest chunk that divides x's innermost row and both base addresses: the index map
+  // is then the same with sizes counted in chunks.
+  const int64_t width = ffi::ByteWidth(x.element_type());
+  const int64_t row_bytes = g.size[g.rank - 1] * width;
+  const uintptr_t addresses =
+      reinterpret_cast<uintptr_t>(x.untyped_data()) | reinterpret_cast<uintptr_t>(out->untyped_data());
+  int64_t chunk = 16;
+  while (chunk > width && (row_bytes % chunk != 0 || addresses % chunk != 0)) chunk /= 2;
+  const int64_t scale = chunk / width;
+  g.size[g.rank - 1] /= scale;
+  g.x_count /= scale;
+  g.out_count /= scale;
+  switch (chunk) {
+    case 16: launch_forward<uint4>(stream, x.untyped_data(), out->untyped_data(), g); break;
+    case 8: launch_forward<uint2>(stream, x.untyped_data(), out->untyped_data(), g); break;
+    case 4: launch_forward<uint32_t>(stream, x.untyped_data(), out->untyped_data(), g); break;
+    case 2: launch_forward<uint16_t>(stream, x.untyped_data(), out->untyped_data(), g); break;
+    default: return ffi::Error::InvalidArgument("repeat: unsupported element width");
+  }
+  return launch_status("repeat");
+}
+
+constexpr int64_t kCopyTable = 4096;  // copy offsets tabulated in shared memory up to this many
+
+// kLanes threads cooperate on one x element: lane l sums copies l, l + kLanes, ... in order, then
+// the lanes combine in a fixed tree. The result depends only on the shapes, never on timing.
+template <class T, int kLanes>
+__global__ void repeat_backward_kernel(const T* __restrict__ dout, T* __restrict__ dx,
+                                       RepeatGeometry g) {
+  using A = acc_t<T>;
+  static_assert(kThreads % kLanes == 0, "lanes must divide the block");
+  extern __shared__ int64_t copy_offsets[];
+  __shared__ A partial[kLanes == kThreads ? kThreads : 1];
+  const bool tabulated = g.copies <= kCopyTable;
+  if (tabulated) {
+    for (int64_t c = threadIdx.x; c < g.copies; c += blockDim.x) copy_offsets[c] = g.copy_offset(c);
+    __syncthreads();
+  }
+  const int lane = threadIdx.x % kLanes;
+  const int64_t per_block = kThreads / kLanes;
+  const int64_t stride = int64_t(gridDim.x) * per_block;
+  for (int64_t e = int64_t(blockIdx.x) * per_block + threadIdx.x / kLanes; e < g.x_count;
+       e += stride) {
+    const int64_t base = g.element_offset(e);
+    A sum = A(0);
+    for (int64_t copy = lane; copy < g.copies; copy += kLanes)
+      sum += to_acc(dout[base + (tabulated ? copy_offsets[copy] : g.copy_offset(copy))]);
+    if constexpr (kLanes == 32) {
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_down_sync(0xffffffffu, sum, offset);
+    } else if constexpr (kLanes == kThreads) {
+      partial[threadIdx.x] = sum;
+      __syncthreads();
+      for (int offset = kThreads / 2; offset > 0; offset /= 2) {
+        if (threadIdx.x < offset) partial[threadIdx.x] += partial[threadIdx.x + offset];
+        __syncthreads();
+      }
+      sum = partial[0];
+      __syncthreads();
+    }
+    if (lane == 0) dx[e] = from_acc<T>(sum);
+  }
+}
+
+template <class T>
+__global__ void fill_zero_kernel(T* __restrict__ dx, int64_t n) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    dx[i] = from_acc<T>(acc_t<T>(0));
+}
+
+ffi::Error repeat_backward(cudaStream_t stream, ffi::AnyBuffer dout,
+                           ffi::Span<const int64_t> repeats, ffi::Result<ffi::AnyBuffer> dx) {
+  RepeatGeometry g;
+  const std::string problem = make_repeat_geometry(
+      dx->dimensions().begin(), int(dx->dimensions().size()), dout.dimensions().begin(),
+      int(dout.dimensions().size()), repeats.begin(), int(repeats.size()), &g);
+  if (!problem.empty()) return ffi::Error::InvalidArgument("repeat backward: " + problem);
+  if (g.x_count == 0) return ffi::Error::Success();
+  return dispatch_float(dout.element_type(), "repeat backward", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* in = static_cast<const T*>(dout.untyped_data());
+    T* result = static_cast<T*>(dx->untyped_data());
+    const int64_t sms = multiprocessor_count();
+    const size_t table_bytes = g.copies <= kCopyTable ? g.copies * sizeof(int64_t) : 0;
+    if (g.copies == 0) {
+      fill_zero_kernel<T><<<grid_blocks(g.x_count, kThreads), kThreads, 0, stream>>>(result, g.x_count);
+    } else if (g.x_count >= sms * 512 || g.copies < 64) {
+      repeat_backward_kernel<T, 1>
+          <<<grid_blocks(g.x_count, kThreads), kThreads, table_bytes, stream>>>(in, result, g);
+    } else if (g.x_count >= sms * 8) {
+      repeat_backward_kernel<T, 32>
+          <<<grid_blocks(g.x_count * 32, kThreads), kThreads, table_bytes, stream>>>(in, result, g);
+    } else {
+      repeat_backward_kernel<T, kThreads>
+          <<<unsigned(std::min<int64_t>(g.x_count, 65535)), kThreads, table_bytes, stream>>>(in, result, g);
+    }
+    return launch_status("repeat backward");
+  });
+}
+
+using Stream = ffi::PlatformStream<cudaStream_t>;
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RepeatForwardCuda, repeat_forward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("repeats")
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RepeatBackwardCuda, repeat_backward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("repeats")
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+JK_REGISTER_TARGET("jk_repeat_fwd", RepeatForwardCuda, "repeat", "forward", "cuda copy (16-byte chunks)",
+                   "bitwise");
+JK_REGISTER_TARGET("jk_repeat_bwd", RepeatBackwardCuda, "repeat", "backward d_input",
+                   "cuda ordered sum", "bitwise");
+
+}  // namespace jax_kernels

@@ -1,0 +1,78 @@
+// Host-side helpers for the FFI handlers of both backends: dtype dispatch on an AnyBuffer's
+// element type, shape helpers, and the target registry that the nanobind modules expose.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "jax_kernels/scalar.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_kernels {
+
+namespace ffi = xla::ffi;
+
+template <class T>
+struct TypeTag {
+  using type = T;
+};
+
+// Calls f(TypeTag<T>{}) with T the C++ type of `dtype`; any other dtype is an InvalidArgument
+// error naming the op (the Python wrappers reject such dtypes at trace time already).
+template <class F>
+ffi::Error dispatch_float(ffi::DataType dtype, const char* op, F&& f) {
+  switch (dtype) {
+    case ffi::DataType::F16:
+      return f(TypeTag<float16>{});
+    case ffi::DataType::BF16:
+      return f(TypeTag<bfloat16>{});
+    case ffi::DataType::F32:
+      return f(TypeTag<float>{});
+    case ffi::DataType::F64:
+      return f(TypeTag<double>{});
+    default:
+      return ffi::Error::InvalidArgument(std::string(op) +
+                                         ": unsupported element type (expected float16, "
+                                         "bfloat16, float32 or float64)");
+  }
+}
+
+inline int64_t element_count(ffi::AnyBuffer::Dimensions dims) {
+  int64_t n = 1;
+  for (int64_t d : dims) n *= d;
+  return n;
+}
+
+inline std::vector<int64_t> to_vector(ffi::Span<const int64_t> span) {
+  return std::vector<int64_t>(span.begin(), span.end());
+}
+
+// One record per registered FFI target: the handler plus what capabilities() reports of it.
+struct TargetRecord {
+  const char* target;      // FFI target name, identical on every platform
+  XLA_FFI_Handler* handler;
+  const char* op;          // public op name
+  const char* pass;        // "forward", "backward d_input", ...
+  const char* backend;     // short description of the implementation
+  const char* determinism; // "bitwise" or a note on when it is not
+};
+
+// The targets of this native module (each .so has its own copy: symbols are hidden).
+inline std::vector<TargetRecord>& target_registry() {
+  static std::vector<TargetRecord> registry;
+  return registry;
+}
+
+struct TargetRegistrar {
+  explicit TargetRegistrar(const TargetRecord& record) { target_registry().push_back(record); }
+};
+
+#define JK_CONCAT_INNER(a, b) a##b
+#define JK_CONCAT(a, b) JK_CONCAT_INNER(a, b)
+// Registers a handler symbol (from XLA_FFI_DEFINE_HANDLER_SYMBOL) under a target name.
+#define JK_REGISTER_TARGET(target, handler, op, pass, backend, determinism)    \
+  static ::jax_kernels::TargetRegistrar JK_CONCAT(jk_registrar_, __LINE__)( \
+      ::jax_kernels::TargetRecord{target, handler, op, pass, backend, determinism})
+
+}  // namespace jax_kernels

@@ -1,0 +1,9 @@
+"""jax_kernels: fast, exact, deterministic grid_sample, roi_align, conv2d, lerp and repeat for JAX,
+as CUDA and C++ kernels registered with XLA through the typed FFI."""
+
+from ._capabilities import capabilities
+from .lerp import lerp
+from .repeat import repeat
+
+__all__ = ["capabilities", "lerp", "repeat"]
+__version__ = "0.1.0"

@@ -1,0 +1,63 @@
+"""The one place that touches the native modules and ``jax.ffi``.
+
+Imports ``jax_kernels._cpu`` (always built) and ``jax_kernels._cuda`` (built when a CUDA toolkit
+was found), registers every FFI target for platform ``"cpu"`` and, when the CUDA module exists,
+``"CUDA"``; when it does not, every target name is registered for ``"CUDA"`` with a stand-in
+handler whose error says how to reinstall with CUDA. The op modules build their custom calls
+through :func:`call`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+
+from . import _cpu
+
+try:
+    from . import _cuda
+except ImportError:  # built without CUDA
+    _cuda = None
+
+CUDA_BUILT = _cuda is not None
+
+
+def _register() -> None:
+    cpu_targets = _cpu.registrations()
+    for name, capsule in cpu_targets.items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    if _cuda is not None:
+        for name, capsule in _cuda.registrations().items():
+            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    else:
+        missing = _cpu.cuda_module_missing_handler()
+        for name in cpu_targets:
+            jax.ffi.register_ffi_target(name, missing, platform="CUDA")
+
+
+_register()
+
+
+def records() -> dict[str, list[tuple[str, str, str, str, str]]]:
+    """Per platform, the (target, op, pass, backend, determinism) records of the built targets."""
+    out = {"cpu": list(_cpu.records())}
+    if _cuda is not None:
+        out["cuda"] = list(_cuda.records())
+    return out
+
+
+def call(
+    target: str,
+    results: jax.ShapeDtypeStruct | Sequence[jax.ShapeDtypeStruct],
+    *args: Any,
+    vmap_method: str | None = None,
+    **attributes: Any,
+) -> Any:
+    """Emits the custom call ``target`` on ``args`` with static ``attributes``.
+
+    ``vmap_method`` is ``ffi_call``'s: ``"expand_dims"`` for kernels that treat extra leading
+    dimensions as batch (or broadcast) dimensions; ``None`` for calls whose op batches them
+    with its own rule.
+    """
+    return jax.ffi.ffi_call(target, results, vmap_method=vmap_method)(*args, **attributes)
