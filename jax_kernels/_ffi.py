@@ -47,6 +47,15 @@ def records() -> dict[str, list[tuple[str, str, str, str, str]]]:
     return out
 
 
+def query(name: str, *arguments: int, platform: str = "cuda") -> int:
+    """Calls host function ``name`` of the ``platform`` module (e.g. the scratch bytes a CUDA
+    pass needs for a problem size). Raises RuntimeError when that module was not built."""
+    module = _cuda if platform == "cuda" else _cpu
+    if module is None:
+        raise RuntimeError(f"jax_kernels: the {platform} module was not built")
+    return int(module.query(name, [int(a) for a in arguments]))
+
+
 def call(
     target: str,
     results: jax.ShapeDtypeStruct | Sequence[jax.ShapeDtypeStruct],

@@ -68,11 +68,32 @@ struct TargetRegistrar {
   explicit TargetRegistrar(const TargetRecord& record) { target_registry().push_back(record); }
 };
 
+// A host function the Python side may call at trace time, e.g. the scratch bytes a CUDA pass
+// needs for a given problem size (scratch comes from XLA as an extra result, never cudaMalloc).
+struct QueryRecord {
+  const char* name;
+  int64_t (*function)(const std::vector<int64_t>& arguments);
+};
+
+inline std::vector<QueryRecord>& query_registry() {
+  static std::vector<QueryRecord> registry;
+  return registry;
+}
+
+struct QueryRegistrar {
+  explicit QueryRegistrar(const QueryRecord& record) { query_registry().push_back(record); }
+};
+
 #define JK_CONCAT_INNER(a, b) a##b
 #define JK_CONCAT(a, b) JK_CONCAT_INNER(a, b)
 // Registers a handler symbol (from XLA_FFI_DEFINE_HANDLER_SYMBOL) under a target name.
 #define JK_REGISTER_TARGET(target, handler, op, pass, backend, determinism)    \
   static ::jax_kernels::TargetRegistrar JK_CONCAT(jk_registrar_, __LINE__)( \
       ::jax_kernels::TargetRecord{target, handler, op, pass, backend, determinism})
+
+// Registers `int64_t function(const std::vector<int64_t>&)` as query `name` of this module.
+#define JK_REGISTER_QUERY(name, function)                                    \
+  static ::jax_kernels::QueryRegistrar JK_CONCAT(jk_query_registrar_, __LINE__)( \
+      ::jax_kernels::QueryRecord{name, function})
 
 }  // namespace jax_kernels
