@@ -14,22 +14,27 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Rows of at least one block: grid.x tiles a row, grid.y strides over rows; the x offset of a
-// row is computed once per block.
+// Rows of at least one block: each block writes `rows_per_block` whole output rows, its threads
+// striding along a row; the x offset of a row is computed once per row and thread. Streaming
+// stores (the output is not read back soon) leave L2 to x, which every row re-reads.
 template <class Chunk>
 __global__ void repeat_rows_kernel(const Chunk* __restrict__ x, Chunk* __restrict__ out,
-                                   RepeatGeometry g, int64_t rows) {
-  __shared__ int64_t x_row_offset;
+                                   RepeatGeometry g, int64_t rows, int64_t rows_per_block) {
   const int last = g.rank - 1;
   const int64_t x_row = g.size[last];
   const int64_t out_row = x_row * g.repeats[last];
-  const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t x_col = j % x_row;
-  for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
-    if (threadIdx.x == 0) x_row_offset = g.x_offset(row * out_row);
-    __syncthreads();
-    if (j < out_row) out[row * out_row + j] = x[x_row_offset + x_col];
-    __syncthreads();
+  const int64_t first = int64_t(blockIdx.x) * rows_per_block;
+  const int64_t end = first + rows_per_block < rows ? first + rows_per_block : rows;
+  for (int64_t row = first; row < end; ++row) {
+    const Chunk* src = x + g.x_offset(row * out_row);
+    Chunk* dst = out + row * out_row;
+    if (out_row <= 0xffffffff) {  // 32-bit column arithmetic
+      const uint32_t n = uint32_t(out_row), m = uint32_t(x_row);
+#pragma unroll 4
+      for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) __stcs(dst + j, src[j % m]);
+    } else {
+      for (int64_t j = threadIdx.x; j < out_row; j += blockDim.x) __stcs(dst + j, src[j % x_row]);
+    }
   }
 }
 
@@ -48,10 +53,12 @@ void launch_forward(cudaStream_t stream, const void* x, void* out, const RepeatG
   const int64_t out_row = g.size[last] * g.repeats[last];
   const int64_t rows = g.out_count / out_row;
   if (out_row >= kThreads) {
-    const dim3 grid(unsigned((out_row + kThreads - 1) / kThreads),
-                    unsigned(std::min<int64_t>(rows, 65535)));
-    repeat_rows_kernel<Chunk><<<grid, kThreads, 0, stream>>>(static_cast<const Chunk*>(x),
-                                                             static_cast<Chunk*>(out), g, rows);
+    // About four blocks per multiprocessor's worth of rows each, at most 16 rows per block.
+    const int64_t rows_per_block =
+        std::max<int64_t>(1, std::min<int64_t>(16, rows / (int64_t(multiprocessor_count()) * 4)));
+    const unsigned blocks = unsigned((rows + rows_per_block - 1) / rows_per_block);
+    repeat_rows_kernel<Chunk><<<blocks, kThreads, 0, stream>>>(
+        static_cast<const Chunk*>(x), static_cast<Chunk*>(out), g, rows, rows_per_block);
   } else {
     repeat_flat_kernel<Chunk><<<grid_blocks(g.out_count, kThreads), kThreads, 0, stream>>>(
         static_cast<const Chunk*>(x), static_cast<Chunk*>(out), g);
@@ -83,6 +90,7 @@ ffi::Error repeat_forward(cudaStream_t stream, ffi::AnyBuffer x, ffi::Span<const
     case 8: launch_forward<uint2>(stream, x.untyped_data(), out->untyped_data(), g); break;
     case 4: launch_forward<uint32_t>(stream, x.untyped_data(), out->untyped_data(), g); break;
     case 2: launch_forward<uint16_t>(stream, x.untyped_data(), out->untyped_data(), g); break;
+    case 1: launch_forward<uint8_t>(stream, x.untyped_data(), out->untyped_data(), g); break;
     default: return ffi::Error::InvalidArgument("repeat: unsupported element width");
   }
   return launch_status("repeat");
@@ -155,7 +163,7 @@ ffi::Error repeat_backward(cudaStream_t stream, ffi::AnyBuffer dout,
       fill_zero_kernel<T><<<grid_blocks(g.x_count, kThreads), kThreads, 0, stream>>>(result, g.x_count);
     } else if (g.x_count >= sms * 512 || g.copies < 64) {
       repeat_backward_kernel<T, 1>
-          <<<grid_blocks(g.x_count, kThreads), kThreads, table_bytes, stream>>>(in, result, g);
+          <<<full_grid_blocks(g.x_count, kThreads), kThreads, table_bytes, stream>>>(in, result, g);
     } else if (g.x_count >= sms * 8) {
       repeat_backward_kernel<T, 32>
           <<<grid_blocks(g.x_count * 32, kThreads), kThreads, table_bytes, stream>>>(in, result, g);
