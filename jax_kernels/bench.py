@@ -87,11 +87,19 @@ def copy_bandwidth(ctx: Context, dispatches: int, rounds: int) -> float:
     copy = jax.jit(lambda v: v + 1.0)
     best = time_contender(Contender("jnp copy", lambda: copy(x)), dispatches, rounds)
     if ctx.torch_device is not None:
-        src = torch.from_numpy(np.asarray(x)).to(ctx.torch_device)
+        src = torch.from_numpy(np.array(x)).to(ctx.torch_device)
         dst = torch.empty_like(src)
         best = min(best, time_contender(Contender("torch copy", lambda: dst.copy_(src), "torch"),
                                         dispatches, rounds))
     return 2 * n * 4 / (best * 1e-3)
+
+
+def dispatch_overhead(dispatches: int, rounds: int) -> float:
+    """Milliseconds per call of a jitted one-element computation, timed like every case: the
+    per-dispatch cost that every JAX contender carries on top of its kernels."""
+    x = jnp.ones((1,), jnp.float32)
+    tiny = jax.jit(lambda v: v + 1.0)
+    return time_contender(Contender("tiny", lambda: tiny(x)), dispatches, rounds)
 
 
 # --- cases ---------------------------------------------------------------------------------------
@@ -102,7 +110,7 @@ def _jnp_random(ctx: Context, shape, dtype=jnp.float32, seed=0) -> jax.Array:
 
 
 def _to_torch(ctx: Context, x: jax.Array):
-    return torch.from_numpy(np.asarray(x)).to(ctx.torch_device)
+    return torch.from_numpy(np.array(x)).to(ctx.torch_device)
 
 
 def cases_lerp(ctx: Context) -> list[Case]:
@@ -193,6 +201,7 @@ def run(ops: list[str], quick: bool, dispatches: int, rounds: int) -> dict:
             torch_device = "cpu"
     ctx = Context(platform=platform, quick=quick, torch_device=torch_device)
     bandwidth = copy_bandwidth(ctx, dispatches, rounds)
+    overhead = dispatch_overhead(dispatches, rounds)
     device = jax.devices()[0].device_kind
     report = {
         "device": device,
@@ -200,12 +209,14 @@ def run(ops: list[str], quick: bool, dispatches: int, rounds: int) -> dict:
         "jax": jax.__version__,
         "torch": getattr(torch, "__version__", None),
         "copy_bandwidth_GBps": bandwidth / 1e9,
+        "jax_dispatch_ms": overhead,
         "dispatches": dispatches,
         "rounds": rounds,
         "cases": [],
     }
     print(f"# {device} ({platform}), jax {jax.__version__}, torch {report['torch']}, "
-          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
+          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write), "
+          f"JAX dispatch of a one-element jit {overhead:.4f} ms")
     print(f"{'case':58s} {'contender':12s} {'ms':>9s} {'x floor':>8s} {'x jk':>7s}")
     for op in ops:
         for case in CASES[op](ctx):
