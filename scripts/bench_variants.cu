@@ -168,6 +168,47 @@ __global__ void repeat_flat_v6(const uint4* x, uint4* o, long x_rows, long x_row
   for (int u = 0; u < U; ++u) { unsigned long i = base + u * (unsigned long)blockDim.x; if (i < total) __stcs(o + i, v[u]); }
 }
 
+// R8: bulk copies (sm_90 TMA engine): a block loads a tile of one x row into shared memory and
+// issues one cp.async.bulk shared->global per column copy of the output row.
+__global__ void repeat_bulk_v8(const uint4* x, uint4* o, long x_rows, long x_row, long reps_row, long reps_col, long rows_per_block) {
+  extern __shared__ __align__(128) uint4 tile[];
+  long out_row = x_row * reps_col, rows = x_rows * reps_row;
+  long r0 = blockIdx.x * rows_per_block, r1 = min(rows, r0 + rows_per_block);
+  for (long r = r0; r < r1; ++r) {
+    const uint4* src = x + (r % x_rows) * x_row;
+    for (long j = threadIdx.x; j < x_row; j += blockDim.x) tile[j] = src[j];
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    if (threadIdx.x < reps_col) {
+      uint4* dst = o + r * out_row + threadIdx.x * x_row;
+      unsigned smem = (unsigned)__cvta_generic_to_shared(tile);
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" :: "l"(dst), "r"(smem), "r"((unsigned)(x_row * 16)) : "memory");
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    }
+    __syncthreads();
+  }
+}
+// R9: like R8, but a block holds one x row and writes all reps_row * reps_col copies of it
+// (x read exactly once).
+__global__ void repeat_bulk_v9(const uint4* x, uint4* o, long x_rows, long x_row, long reps_row, long reps_col) {
+  extern __shared__ __align__(128) uint4 tile[];
+  long out_row = x_row * reps_col;
+  long xr = blockIdx.x;
+  const uint4* src = x + xr * x_row;
+  for (long j = threadIdx.x; j < x_row; j += blockDim.x) tile[j] = src[j];
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncthreads();
+  if (threadIdx.x < reps_col * reps_row) {
+    long k = threadIdx.x / reps_col, c = threadIdx.x % reps_col;
+    uint4* dst = o + (k * x_rows + xr) * out_row + c * x_row;
+    unsigned smem = (unsigned)__cvta_generic_to_shared(tile);
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" :: "l"(dst), "r"(smem), "r"((unsigned)(x_row * 16)) : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  }
+}
+
 __global__ void fill_random(float* p, long n, unsigned seed) {
   for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
     unsigned h = (unsigned)i * 2654435761u ^ seed;
@@ -242,6 +283,22 @@ int main() {
     { char nm[64]; snprintf(nm, 64, "rows v2 streaming, %ld rows/block", rpb); report(nm, time_ms([&] { repeat_rows_v2<true><<<(rows + rpb - 1) / rpb, 256>>>(X, RO, x_rows, x_row, rr, rc, rpb); }), rep_floor); }
   report("flat v6 streaming U=1", time_ms([&] { repeat_flat_v6<1><<<(nv + 255) / 256, 256>>>(X, RO, x_rows, x_row, rr, rc); }), rep_floor);
   report("flat v6 streaming U=4", time_ms([&] { repeat_flat_v6<4><<<(nv + 1023) / 1024, 256>>>(X, RO, x_rows, x_row, rr, rc); }), rep_floor);
+  for (long rpb : {1, 4, 16})
+    { char nm[64]; snprintf(nm, 64, "bulk v8, %ld rows/block", rpb); report(nm, time_ms([&] { repeat_bulk_v8<<<(rows + rpb - 1) / rpb, 128, x_row * 16>>>(X, RO, x_rows, x_row, rr, rc, rpb); }), rep_floor); }
+  report("bulk v9, x row once, 16 copies", time_ms([&] { repeat_bulk_v9<<<x_rows, 128, x_row * 16>>>(X, RO, x_rows, x_row, rr, rc); }), rep_floor);
+  {  // check v8/v9 results against v2
+    std::vector<unsigned> ref(n), got(n);
+    repeat_rows_v2<false><<<rows, 256>>>(X, RO, x_rows, x_row, rr, rc, 1);
+    cudaMemcpy(ref.data(), o, n * 4, cudaMemcpyDeviceToHost);
+    cudaMemset(o, 0, n * 4);
+    repeat_bulk_v8<<<rows / 4, 128, x_row * 16>>>(X, RO, x_rows, x_row, rr, rc, 4);
+    cudaMemcpy(got.data(), o, n * 4, cudaMemcpyDeviceToHost);
+    printf("  bulk v8 %s\n", ref == got ? "matches" : "MISMATCH");
+    cudaMemset(o, 0, n * 4);
+    repeat_bulk_v9<<<x_rows, 128, x_row * 16>>>(X, RO, x_rows, x_row, rr, rc);
+    cudaMemcpy(got.data(), o, n * 4, cudaMemcpyDeviceToHost);
+    printf("  bulk v9 %s\n", ref == got ? "matches" : "MISMATCH");
+  }
   report("write-only 256MB (stcs)", time_ms([&] { write_only<<<(nv + 255) / 256, 256>>>(RO, nv); }), rep_floor);
   report("write-only 256MB U=4 (stcs)", time_ms([&] { write_only_u<4><<<(nv + 1023) / 1024, 256>>>(RO, nv); }), rep_floor);
   CHECK(cudaGetLastError());

@@ -29,6 +29,10 @@ CASES = [
     ((64, 48), (3, 2)),
     ((1, 1), (40, 70)),  # few elements, many copies
     ((4,), (1,)),
+    ((5, 256), (3, 2)),  # rows of >= 512 bytes: the GPU's bulk-copy path
+    ((2, 9000), (2, 3)),  # rows over one 32 KB tile
+    ((1, 128), (300, 5)),  # one x row, many copies split over blocks
+    ((3, 1, 256), (2, 4, 1)),
 ]
 
 
