@@ -44,8 +44,9 @@ class Contender:
 @dataclass
 class Case:
     name: str
-    floor_bytes: int  # bytes that must move through device memory
+    floor_bytes: int  # bytes that must move through device memory (per call)
     contenders: list[Contender] = field(default_factory=list)
+    calls: int = 1  # calls per dispatch: times are reported per call
 
 
 @dataclass
@@ -175,11 +176,20 @@ def cases_repeat(ctx: Context) -> list[Case]:
         Contender("jax_kernels", lambda: jk_fused(x)),
         Contender("jnp.tile", lambda: jnp_fused(x)),
     ])
+    # Ten calls on ten inputs inside one jit: the per-call time without JAX's per-dispatch cost.
+    xs = [_jnp_random(ctx, (side, side), seed=10 + i) for i in range(10)]
+    jk_ten = jax.jit(lambda xs: [jk.repeat(v, reps) for v in xs])
+    jnp_ten = jax.jit(lambda xs: [jnp.tile(v, reps) for v in xs])
+    amortized = Case(f"repeat fwd {side}x{side} by {reps} f32, 10 calls in one jit",
+                     out_bytes + 4 * side * side, [
+        Contender("jax_kernels", lambda: jk_ten(xs)),
+        Contender("jnp.tile", lambda: jnp_ten(xs)),
+    ], calls=10)
     if ctx.torch_device is not None:
         tx = _to_torch(ctx, x)
         fwd.contenders.append(Contender("torch", lambda: tx.repeat(*reps), "torch"))
         fused.contenders.append(Contender("torch", lambda: tx.repeat(*reps) * 2.0 + 1.0, "torch"))
-    return [fwd, bwd, fused]
+    return [fwd, amortized, bwd, fused]
 
 
 CASES: dict[str, Callable[[Context], list[Case]]] = {
@@ -221,7 +231,7 @@ def run(ops: list[str], quick: bool, dispatches: int, rounds: int) -> dict:
     for op in ops:
         for case in CASES[op](ctx):
             floor_ms = case.floor_bytes / bandwidth * 1e3
-            times = {c.name: time_contender(c, dispatches, rounds) for c in case.contenders}
+            times = {c.name: time_contender(c, dispatches, rounds) / case.calls for c in case.contenders}
             ours = times.get("jax_kernels")
             for name, ms in times.items():
                 ratio = f"{ms / ours:7.2f}" if ours else "      -"
