@@ -16,8 +16,9 @@
 // buffers and are summed in a fixed order.
 //
 // Declined (the direct kernels run them): float64, depthwise and small groups (fewer than 16
-// channels or filters per group, or more than 16 groups), strided dgrad with dilation, filters
-// over 32 taps a side, and tensors past CUTLASS's 32-bit indexing (2 GiB per tensor).
+// channels or filters per group, or more than 16 groups), strided dgrad with dilation, unit-stride
+// dgrad with padding wider than the filter, filters over 32 taps a side, and tensors past
+// CUTLASS's 32-bit indexing (2 GiB per tensor).
 #include "conv_dense.h"
 
 #if defined(JAX_KERNELS_HAVE_CUTLASS)
@@ -213,14 +214,15 @@ bool plan_nhwc(const ConvQuery& query, Plan* plan) {
       // dx = conv(dy, w flipped and transposed) with padding d*(R-1) - pad: an fprop over dy.
       const int64_t pad_h = p.dilation_h * (p.R - 1) - p.pad_top;
       const int64_t pad_w = p.dilation_w * (p.S - 1) - p.pad_left;
-      if (p.stride_h == 1 && p.stride_w == 1 && pad_h >= 0 && pad_w >= 0) {
+      const bool unit_stride = p.stride_h == 1 && p.stride_w == 1;
+      if (unit_stride && pad_h >= 0 && pad_w >= 0) {
         plan->dgrad_as_fprop = true;
         c.kernel = NhwcKernel::kFprop;
         c.tile = Cgp <= 64 ? TileClass::kNarrow : TileClass::kWide;
         c.H = int(p.P), c.W = int(p.Q), c.P = int(p.H), c.Q = int(p.W);
         c.C = int(Kgp), c.K = int(Cgp);
         c.pad_h = int(pad_h), c.pad_w = int(pad_w);
-      } else if (p.dilation_h == 1 && p.dilation_w == 1) {
+      } else if (!unit_stride && p.dilation_h == 1 && p.dilation_w == 1) {
         c.kernel = NhwcKernel::kStridedDgrad;
         c.tile = TileClass::kNarrow;
       } else {
