@@ -139,7 +139,7 @@ bool plan_gemm(const ConvQuery& query, Plan* plan) {
   const int64_t pixels = p.H * p.W;
   const int64_t a = plan->alignment;
   if (p.C % a || p.K % a || pixels % a) return false;
-  if (!fits_int({p.N, p.C, p.K, pixels})) return false;
+  if (!fits_int({pixels})) return false;
   const int64_t eb = plan->element_bytes;
   BatchedGemm& g = plan->gemm;
   g = BatchedGemm{};
@@ -189,12 +189,10 @@ bool plan_nhwc(const ConvQuery& query, Plan* plan) {
   const int64_t G = p.groups;
   const int64_t Cg = p.C / G, Kg = p.K / G, Cgp = round_up(Cg, a), Kgp = round_up(Kg, a);
   plan->groups = G, plan->Cg = Cg, plan->Kg = Kg, plan->Cgp = Cgp, plan->Kgp = Kgp;
+  if (!fits_int({Cgp, Kgp})) return false;
   const int64_t x_bytes = G * p.N * p.H * p.W * Cgp * eb;
   const int64_t y_bytes = G * p.N * p.P * p.Q * Kgp * eb;
   const int64_t w_bytes = G * Kgp * p.R * p.S * Cgp * eb;
-  if (!fits_int({p.N, p.H, p.W, p.P, p.Q, p.R, p.S, Cgp, Kgp, p.pad_top, p.pad_left, p.stride_h,
-                 p.stride_w, p.dilation_h, p.dilation_w}))
-    return false;
 
   NhwcConv& c = plan->conv;
   c = NhwcConv{};
@@ -257,6 +255,11 @@ Plan make_plan(const ConvQuery& query) {
   if (p.N < 1 || p.C < 1 || p.H < 1 || p.W < 1 || p.K < 1 || p.R < 1 || p.S < 1 || p.P < 1 ||
       p.Q < 1 || p.stride_h < 1 || p.stride_w < 1 || p.dilation_h < 1 || p.dilation_w < 1 ||
       p.pad_top < 0 || p.pad_left < 0 || p.groups < 1 || p.C % p.groups || p.K % p.groups)
+    return plan;
+  // CUTLASS describes problems in int; the extents come from real arrays, so their products fit
+  // int64.
+  if (!fits_int({p.N, p.C, p.H, p.W, p.K, p.R, p.S, p.P, p.Q, p.stride_h, p.stride_w, p.pad_top,
+                 p.pad_left, p.dilation_h, p.dilation_w, p.groups}))
     return plan;
   if (p.groups > 1 && (p.groups > kMaxGroups || p.C / p.groups < kMinChannelsPerGroup ||
                        p.K / p.groups < kMinChannelsPerGroup))
