@@ -7,6 +7,7 @@
 // weights (conv_dense.cu prepares them), so no unit-stride dgrad kernel is instantiated.
 #pragma once
 
+#include <cstdio>
 #include <string>
 #include <type_traits>
 
@@ -253,10 +254,32 @@ ffi::Error launch(const typename Kernel::Params& params, dim3 grid, cudaStream_t
 
 // Builds the kernel parameters directly rather than through the device-level class: its
 // initialize() would memset the whole parallel split-K output, which every slice overwrites.
+inline std::string describe(const NhwcConv& c) {
+  const char* kernel = c.kernel == NhwcKernel::kFprop          ? "fprop"
+                       : c.kernel == NhwcKernel::kStridedDgrad ? "strided dgrad"
+                                                               : "wgrad";
+  char text[320];
+  std::snprintf(text, sizeof text,
+                "CUTLASS %s kernel rejects N=%d H=%d W=%d C=%d K=%d R=%d S=%d P=%d Q=%d pad=(%d,%d) "
+                "stride=(%d,%d) dilation=(%d,%d) split_k=%d (can_implement failed)",
+                kernel, c.N, c.H, c.W, c.C, c.K, c.R, c.S, c.P, c.Q, c.pad_h, c.pad_w, c.stride_h,
+                c.stride_w, c.dilation_h, c.dilation_w, c.split_k);
+  return text;
+}
+
+inline std::string describe(const BatchedGemm& g) {
+  char text[256];
+  std::snprintf(text, sizeof text,
+                "CUTLASS batched GEMM rejects M=%d N=%d K=%d lda=%lld ldb=%lld ldd=%lld batch=%d "
+                "(alignment of pointers or leading dimensions)",
+                g.M, g.N, g.K, static_cast<long long>(g.lda), static_cast<long long>(g.ldb),
+                static_cast<long long>(g.ldd), g.batch_count);
+  return text;
+}
+
 template <class Kernel>
 ffi::Error nhwc_run(const NhwcConv& c, cudaStream_t stream) {
-  if (!nhwc_can_implement<Kernel>(c))
-    return ffi::Error::Internal("conv2d: CUTLASS cannot implement this convolution");
+  if (!nhwc_can_implement<Kernel>(c)) return ffi::Error::Internal("conv2d: " + describe(c));
   const typename Kernel::Params params(nhwc_arguments<Kernel>(c), nullptr);
   typename Kernel::ThreadblockSwizzle swizzle;
   return launch<Kernel>(params, swizzle.get_grid_shape(params.grid_tiled_shape), stream);
@@ -297,8 +320,7 @@ bool gemm_can_implement(const BatchedGemm& g) {
 
 template <class Gemm>
 ffi::Error gemm_run(const BatchedGemm& g, cudaStream_t stream) {
-  if (!gemm_can_implement<Gemm>(g))
-    return ffi::Error::Internal("conv2d: CUTLASS cannot implement this batched GEMM");
+  if (!gemm_can_implement<Gemm>(g)) return ffi::Error::Internal("conv2d: " + describe(g));
   using Kernel = typename Gemm::GemmKernel;
   using Block = typename Gemm::ThreadblockShape;
   const typename Gemm::Arguments a = gemm_arguments<Gemm>(g);
