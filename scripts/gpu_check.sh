@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One-call GPU check for the device machine (no network): install the carried CUTLASS wheel,
-# build and install jax_kernels with CUDA, run the test suite on the GPU, run compute-sanitizer
+# build and install jax_kernels with CUDA, check the tensor-core conv path standalone
+# (conv_dense_check), run the test suite on the GPU, run compute-sanitizer
 # memcheck on small cases of every kernel, then the benchmark against jnp/lax and torch.
 #
 #   scripts/gpu_check.sh [pytest args...]      (carry .whl; results land in $OUT)
 #
-# Environment: SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_BENCH=1, BENCH_OPS=lerp,repeat,
+# Environment: SKIP_DENSE_CHECK=1, SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_BENCH=1, BENCH_OPS=lerp,repeat,
 # CUDA_ARCHS (default 90).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,13 @@ CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install -q --no-build-isolati
   --config-settings=build-dir=build/gpu 2>&1 | tail -20 || exit 1
 echo "build: $(( $(date +%s) - start )) s"
 python3 -c "import jax_kernels._ffi as f; assert f.CUDA_BUILT, 'CUDA module missing'; print('CUDA module built')" || exit 1
+
+if [ -z "${SKIP_DENSE_CHECK:-}" ]; then  # the tensor-core conv path against a float64 reference
+  start=$(date +%s)
+  cmake --build build/gpu --target conv_dense_check -j "$(nproc)" >/dev/null 2>&1 && build/gpu/conv_dense_check 2>&1 | tee "$OUT/conv_dense_check.log" | tail -40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  echo "conv_dense_check: $(( $(date +%s) - start )) s"
+fi
 
 if [ -z "${SKIP_TESTS:-}" ]; then
   start=$(date +%s)
