@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.test_util import check_grads
 
 import jax_kernels as jk
@@ -60,7 +62,7 @@ def reference_roi_align(input, rois, output_size, spatial_scale, sampling_ratio,
     ph_count, pw_count = output_size
     outputs = []
     for k in range(rois.shape[0]):
-        batch = float(rois[k, 0])
+        batch = float(rois[k, 0].detach())
         zero = torch.zeros(channels, ph_count, pw_count, dtype=input.dtype) + 0 * rois[k].sum()
         if not (0 <= batch < n_images and batch == int(batch)):
             outputs.append(zero)
@@ -77,8 +79,8 @@ def reference_roi_align(input, rois, output_size, spatial_scale, sampling_ratio,
         if sampling_ratio > 0:
             grid_h = grid_w = sampling_ratio
         else:
-            grid_h = max(int(math.ceil(float(height_k) / ph_count)), 0)
-            grid_w = max(int(math.ceil(float(width_k) / pw_count)), 0)
+            grid_h = max(int(math.ceil(float(height_k.detach()) / ph_count)), 0)
+            grid_w = max(int(math.ceil(float(width_k.detach()) / pw_count)), 0)
         count = max(grid_h * grid_w, 1)
         if grid_h == 0 or grid_w == 0:
             outputs.append(zero)
@@ -110,19 +112,20 @@ def reference_roi_align(input, rois, output_size, spatial_scale, sampling_ratio,
 
 def reference(input, boxes, output_size, spatial_scale=1.0, sampling_ratio=-1, aligned=False):
     size = (output_size, output_size) if isinstance(output_size, int) else tuple(output_size)
-    t_in = torch.from_numpy(to_numpy64(input))
-    t_boxes = torch.from_numpy(to_numpy64(boxes))
+    t_in = torch.from_numpy(to_numpy64(input).copy())
+    t_boxes = torch.from_numpy(to_numpy64(boxes).copy())
     return reference_roi_align(t_in, t_boxes, size, spatial_scale, sampling_ratio, aligned).numpy()
 
 
 def reference_grads(input, boxes, dout, output_size, spatial_scale, sampling_ratio, aligned):
     """(d_input, d_boxes) of sum(dout * reference(...)) by torch autograd in float64."""
     size = (output_size, output_size) if isinstance(output_size, int) else tuple(output_size)
-    t_in = torch.from_numpy(to_numpy64(input)).requires_grad_(True)
-    t_boxes = torch.from_numpy(to_numpy64(boxes)).requires_grad_(True)
+    t_in = torch.from_numpy(to_numpy64(input).copy()).requires_grad_(True)
+    t_boxes = torch.from_numpy(to_numpy64(boxes).copy()).requires_grad_(True)
     out = reference_roi_align(t_in, t_boxes, size, spatial_scale, sampling_ratio, aligned)
-    (out * torch.from_numpy(to_numpy64(dout))).sum().backward()
-    return t_in.grad.numpy(), t_boxes.grad.numpy()
+    (out * torch.from_numpy(to_numpy64(dout).copy())).sum().backward()
+    # Without a valid box the output does not depend on the input at all.
+    return tuple(np.zeros(t.shape) if t.grad is None else t.grad.numpy() for t in (t_in, t_boxes))
 
 
 # --- data --------------------------------------------------------------------------------------
@@ -250,6 +253,45 @@ def test_check_grads(aligned, sampling_ratio):
     f = lambda x, c: jk.roi_align(x, jnp.concatenate([batch, c], axis=1), (2, 3), 0.5,
                                   sampling_ratio, aligned)
     check_grads(f, (x, coords), order=1, modes=("rev",))
+
+
+@st.composite
+def problems(draw):
+    """Small random problems: any sizes from 1, boxes with round and real coordinates (samples on
+    pixel edges and on the clamping boundaries included), reversed, outside, and invalid indices."""
+    n, c = draw(st.integers(1, 3)), draw(st.integers(1, 20))
+    h, w = draw(st.integers(1, 9)), draw(st.integers(1, 9))
+    size = (draw(st.integers(1, 4)), draw(st.integers(1, 4)))
+    scale = draw(st.sampled_from([1.0, 0.5, 2.0]))
+    sampling_ratio = draw(st.sampled_from([-1, 0, 1, 2, 3]))
+    aligned = draw(st.booleans())
+
+    def coordinate(extent):
+        lo, hi = -0.5 * extent / scale, 1.5 * extent / scale
+        return draw(st.one_of(st.integers(int(lo), int(hi)).map(float),
+                              st.integers(2 * int(lo), 2 * int(hi)).map(lambda v: v / 2),
+                              st.floats(lo, hi, allow_nan=False)))
+
+    rows = []
+    for _ in range(draw(st.integers(0, 8))):
+        batch = draw(st.one_of(st.integers(0, n - 1), st.sampled_from([-1, n])))
+        rows.append([batch, coordinate(w), coordinate(h), coordinate(w), coordinate(h)])
+    boxes = np.asarray(rows, dtype=np.float64).reshape(-1, 5)
+    seed = draw(st.integers(0, 2**16))
+    return (random(seed, (n, c, h, w), jnp.float64), jnp.asarray(boxes), size, scale, sampling_ratio, aligned)
+
+
+@settings(max_examples=40, deadline=None)
+@given(problems())
+def test_random_problems_match_reference(problem):
+    x, boxes, size, scale, sampling_ratio, aligned = problem
+    out, vjp = jax.vjp(lambda x, b: jk.roi_align(x, b, size, scale, sampling_ratio, aligned), x, boxes)
+    assert_close(out, reference(x, boxes, size, scale, sampling_ratio, aligned), jnp.float64)
+    dout = random(1, out.shape, jnp.float64)
+    d_input, d_boxes = vjp(dout)
+    ref_input, ref_boxes = reference_grads(x, boxes, dout, size, scale, sampling_ratio, aligned)
+    assert_close(d_input, ref_input, jnp.float64)
+    assert_close(d_boxes, ref_boxes, jnp.float64)
 
 
 # --- bad data, degenerate and empty ------------------------------------------------------------

@@ -16,6 +16,13 @@
 #include "jax_kernels/ffi_util.h"
 #include "jax_kernels/scalar.h"
 
+// Unrolls the fixed-length channel loops in device code (the host compiler chooses for itself).
+#if defined(__CUDA_ARCH__)
+#define ROI_ALIGN_UNROLL _Pragma("unroll")
+#else
+#define ROI_ALIGN_UNROLL
+#endif
+
 namespace jax_kernels {
 
 // Upper bound of the adaptive sample grid (sampling_ratio <= 0) per axis and bin: only boxes larger
@@ -105,8 +112,15 @@ struct RoiAxis {
   A bin;
   int64_t grid;  // 0: no samples (adaptive grid of an empty or NaN box)
   int64_t bins;
-  A scale;             // spatial_scale: d start / d first coordinate
-  bool size_clamped;   // aligned=False and the size was raised to 1: it no longer follows the box
+  A scale;            // spatial_scale: d start / d first coordinate
+  bool size_clamped;  // aligned=False and the size was raised to 1: it no longer follows the box
+  // For candidates(): whether start and bin are finite (else every position is NaN or infinite),
+  // grid / bin (0 when bin is 0: every sample sits at start), and the rounding margin of the
+  // positions (at most one pixel).
+  bool finite;
+  double inverse_step, margin;
+  // Input indices that samples can give weight to; the whole axis unless narrow_span() ran.
+  int64_t span_first, span_last;
 
   JK_HD int64_t samples() const { return bins * grid; }
 
@@ -129,29 +143,23 @@ struct RoiAxis {
   JK_HD A d_second(int64_t t) const { return size_clamped ? A(0) : scale * fraction(t); }
 
   // The samples t in [t_begin, t_end) whose position can lie in [lo, hi], as [*first, *last): the
-  // affine sample map inverted in double precision, widened by the rounding of the positions
-  // (at most one pixel) and one sample on each side. A superset: callers test each candidate.
-  // The count is at most about (hi - lo + 2) / |bin / grid| + 3, which keeps every loop over
-  // candidates short whatever the box: adaptive grids have a spacing of at least 1/2 pixel.
+  // affine sample map inverted in double precision, widened by the rounding margin and one sample
+  // on each side. A superset: callers test each candidate. The count is at most about
+  // (hi - lo + 2) / |bin / grid| + 3, which keeps every loop over candidates short whatever the
+  // box: adaptive grids have a spacing of at least 1/2 pixel.
   JK_HD void candidates(A lo, A hi, int64_t t_begin, int64_t t_end, int64_t* first,
                         int64_t* last) const {
     *first = *last = t_begin;
-    if (grid <= 0 || t_begin >= t_end) return;
-    const double s = double(start), b = double(bin);
-    // A non-finite start or bin puts every position at infinity or NaN: none is valid.
-    if (!(std::isfinite(s) && std::isfinite(b))) return;
-    const double step = b / double(grid);
-    double margin = 16.0 * double(std::numeric_limits<A>::epsilon()) *
-                    (std::fabs(s) + std::fabs(b) * double(bins + 1));
-    margin = margin < 1.0 ? margin : 1.0;
+    if (grid <= 0 || t_begin >= t_end || !finite) return;
+    const double s = double(start);
     const double lo_d = double(lo) - margin, hi_d = double(hi) + margin;
     double u_min, u_max;
-    if (step == 0.0) {
+    if (inverse_step == 0.0) {
       if (!(s >= lo_d && s <= hi_d)) return;
       u_min = double(t_begin);
       u_max = double(t_end);
     } else {
-      const double u0 = (lo_d - s) / step - 0.5, u1 = (hi_d - s) / step - 0.5;
+      const double u0 = (lo_d - s) * inverse_step - 0.5, u1 = (hi_d - s) * inverse_step - 0.5;
       u_min = std::floor(u0 < u1 ? u0 : u1) - 1.0;
       u_max = std::ceil(u0 < u1 ? u1 : u0) + 2.0;  // exclusive
     }
@@ -183,7 +191,7 @@ JK_HD int64_t roi_image(A batch, int64_t k, const RoiAlignProblem& p) {
 }
 
 template <class A>
-JK_HD RoiAxis<A> roi_axis(A first, A second, int64_t bins, const RoiAlignProblem& p) {
+JK_HD RoiAxis<A> roi_axis(A first, A second, int64_t bins, int64_t extent, const RoiAlignProblem& p) {
   RoiAxis<A> axis;
   axis.scale = A(p.spatial_scale);
   axis.bins = bins;
@@ -202,6 +210,14 @@ JK_HD RoiAxis<A> roi_axis(A first, A second, int64_t bins, const RoiAlignProblem
                                                                     : kRoiAlignMaxAdaptiveGrid)
                              : 0;
   }
+  const double s = double(axis.start), b = double(axis.bin);
+  axis.finite = std::isfinite(s) && std::isfinite(b);
+  axis.inverse_step = axis.finite && b != 0.0 ? double(axis.grid) / b : 0.0;
+  const double margin = 16.0 * double(std::numeric_limits<A>::epsilon()) *
+                        (std::fabs(s) + std::fabs(b) * double(bins + 1));
+  axis.margin = margin < 1.0 ? margin : 1.0;
+  axis.span_first = 0;
+  axis.span_last = extent - 1;
   return axis;
 }
 
@@ -212,8 +228,8 @@ JK_HD RoiBox<acc_t<T>> roi_box(const T* boxes, int64_t k, const RoiAlignProblem&
   const T* row = boxes + 5 * k;
   RoiBox<A> box;
   box.image = roi_image(to_acc(row[0]), k, p);
-  box.x = roi_axis(to_acc(row[1]), to_acc(row[3]), p.PW, p);
-  box.y = roi_axis(to_acc(row[2]), to_acc(row[4]), p.PH, p);
+  box.x = roi_axis(to_acc(row[1]), to_acc(row[3]), p.PW, p.W, p);
+  box.y = roi_axis(to_acc(row[2]), to_acc(row[4]), p.PH, p.H, p);
   const int64_t count = box.y.grid * box.x.grid;
   box.count = A(count > 0 ? count : 1);
   return box;
@@ -234,6 +250,194 @@ JK_HD void index_candidates(const RoiAxis<A>& axis, int64_t i, int64_t* first, i
   axis.candidates(A(i - 1), A(i + 1), 0, axis.samples(), first, last);
 }
 
+// Narrows axis.span_first/span_last to the indices that valid samples can give weight to:
+// positions grow (or fall) with the sample index, so the first and the last valid candidates bound
+// them, widened by one index against rounding. An axis without valid samples gets an empty span.
+template <class A>
+JK_HD void narrow_span(RoiAxis<A>& axis, int64_t extent) {
+  int64_t t0, t1;
+  axis.candidates(A(-1), A(extent), 0, axis.samples(), &t0, &t1);
+  int64_t first = extent, last = -1;
+  for (int64_t t = t0; t < t1; ++t) {
+    const AxisSample<A> s = axis_sample(axis.position(t), extent);
+    if (!s.valid) continue;
+    first = s.low < first ? s.low : first;
+    last = s.high > last ? s.high : last;
+    break;
+  }
+  for (int64_t t = t1 - 1; t >= t0; --t) {
+    const AxisSample<A> s = axis_sample(axis.position(t), extent);
+    if (!s.valid) continue;
+    first = s.low < first ? s.low : first;
+    last = s.high > last ? s.high : last;
+    break;
+  }
+  axis.span_first = first > 0 ? first - 1 : 0;
+  axis.span_last = last < extent - 1 ? last + 1 : extent - 1;
+  if (last < 0) axis.span_first = extent, axis.span_last = -1;
+}
+
+// The geometry of box k for the input gradient's gather: spans narrowed to the rows and columns
+// that its samples touch.
+template <class T>
+JK_HD RoiBox<acc_t<T>> roi_box_with_spans(const T* boxes, int64_t k, const RoiAlignProblem& p) {
+  RoiBox<acc_t<T>> box = roi_box(boxes, k, p);
+  narrow_span(box.y, p.H);
+  narrow_span(box.x, p.W);
+  return box;
+}
+
+// ---- sample loops shared by every pass on both backends --------------------------------------------
+
+// Calls f(ty, sy, tx, sx) for every valid sample of bin `bin` (= ph * PW + pw), rows outer and
+// columns inner, each in ascending order.
+template <class A, class F>
+JK_HD void for_each_bin_sample(const RoiBox<A>& box, int64_t bin, const RoiAlignProblem& p, F&& f) {
+  int64_t ty0, ty1, tx0, tx1;
+  bin_candidates(box.y, bin / p.PW, p.H, &ty0, &ty1);
+  bin_candidates(box.x, bin % p.PW, p.W, &tx0, &tx1);
+  for (int64_t ty = ty0; ty < ty1; ++ty) {
+    const AxisSample<A> sy = axis_sample(box.y.position(ty), p.H);
+    if (!sy.valid) continue;
+    for (int64_t tx = tx0; tx < tx1; ++tx) {
+      const AxisSample<A> sx = axis_sample(box.x.position(tx), p.W);
+      if (sx.valid) f(ty, sy, tx, sx);
+    }
+  }
+}
+
+// Whether some valid sample along `axis` gives input index i a nonzero weight.
+template <class A>
+JK_HD bool touches(const RoiAxis<A>& axis, int64_t i, int64_t size) {
+  int64_t t0, t1;
+  index_candidates(axis, i, &t0, &t1);
+  for (int64_t t = t0; t < t1; ++t) {
+    const AxisSample<A> s = axis_sample(axis.position(t), size);
+    if (s.valid && s.weight_of(i) != A(0)) return true;
+  }
+  return false;
+}
+
+// Calls f(bin, weight) for every sample of `box` that gives input cell (h, w) a nonzero bilinear
+// weight, in ascending (ty, tx) order: the input gradient of the cell is the sum over the boxes
+// of its image of weight * dout[box, c, bin] / count. With the boxes taken in index order, this
+// fixes the order of every sum of the input gradient.
+template <class A, class F>
+JK_HD void for_each_cell_sample(const RoiBox<A>& box, int64_t h, int64_t w, const RoiAlignProblem& p,
+                                F&& f) {
+  if (w < box.x.span_first || w > box.x.span_last || h < box.y.span_first || h > box.y.span_last)
+    return;
+  int64_t ty0, ty1, tx0, tx1;
+  index_candidates(box.y, h, &ty0, &ty1);
+  index_candidates(box.x, w, &tx0, &tx1);
+  for (int64_t ty = ty0; ty < ty1; ++ty) {
+    const AxisSample<A> sy = axis_sample(box.y.position(ty), p.H);
+    const A wy = sy.valid ? sy.weight_of(h) : A(0);
+    if (wy == A(0)) continue;
+    const int64_t bin_row = (ty / box.y.grid) * p.PW;
+    for (int64_t tx = tx0; tx < tx1; ++tx) {
+      const AxisSample<A> sx = axis_sample(box.x.position(tx), p.W);
+      const A wx = sx.valid ? sx.weight_of(w) : A(0);
+      if (wx != A(0)) f(bin_row + tx / box.x.grid, wy * wx);
+    }
+  }
+}
+
+// The four taps of a sample in a channel plane with torchvision's weights w1 = hy hx, w2 = hy lx,
+// w3 = ly hx, w4 = ly lx.
+template <class A>
+struct BilinearTaps {
+  int64_t o1, o2, o3, o4;
+  A w1, w2, w3, w4;
+
+  template <class T>
+  JK_HD A value(const T* plane) const {
+    return w1 * to_acc(plane[o1]) + w2 * to_acc(plane[o2]) + w3 * to_acc(plane[o3]) +
+           w4 * to_acc(plane[o4]);
+  }
+};
+
+template <class A>
+JK_HD BilinearTaps<A> bilinear_taps(const AxisSample<A>& sy, const AxisSample<A>& sx, int64_t W) {
+  return BilinearTaps<A>{sy.low * W + sx.low,     sy.low * W + sx.high,    sy.high * W + sx.low,
+                         sy.high * W + sx.high,   sy.w_low * sx.w_low,     sy.w_low * sx.w_high,
+                         sy.w_high * sx.w_low,    sy.w_high * sx.w_high};
+}
+
+// d value / d y and d value / d x of a sample in a channel plane, without the clamping slopes
+// (sy.slope, sx.slope), which callers apply once after summing over channels.
+template <class T, class A>
+JK_HD void value_gradient(const BilinearTaps<A>& t, const AxisSample<A>& sy, const AxisSample<A>& sx,
+                          const T* plane, A* along_y, A* along_x) {
+  const A v1 = to_acc(plane[t.o1]), v2 = to_acc(plane[t.o2]);
+  const A v3 = to_acc(plane[t.o3]), v4 = to_acc(plane[t.o4]);
+  *along_y = sx.w_low * (v3 - v1) + sx.w_high * (v4 - v2);
+  *along_x = sy.w_low * (v2 - v1) + sy.w_high * (v4 - v3);
+}
+
+// ---- one work item of each pass, the same on both backends -------------------------------------
+// kChannels is the channel chunk of an item: the sample geometry is computed once per item and
+// reused over `channels` (<= kChannels) consecutive channels.
+
+// Forward: acc[c] += sum over the valid samples of bin `bin` of the bilinear value in channel
+// plane planes + c * H * W (the caller divides by box.count).
+template <int kChannels, class T, class A>
+JK_HD void accumulate_bin(const RoiBox<A>& box, int64_t bin, const T* planes, int64_t channels,
+                          const RoiAlignProblem& p, A (&acc)[kChannels]) {
+  const int64_t plane = p.H * p.W;
+  for_each_bin_sample(box, bin, p, [&](int64_t, const AxisSample<A>& sy, int64_t, const AxisSample<A>& sx) {
+    const BilinearTaps<A> taps = bilinear_taps(sy, sx, p.W);
+ROI_ALIGN_UNROLL
+    for (int c = 0; c < kChannels; ++c)
+      if (c < channels) acc[c] += taps.value(planes + c * plane);
+  });
+}
+
+// Input gradient: acc[c] += the contributions of `box` to input cell (h, w), where box_dout
+// points at dout[box, first channel, 0, 0].
+template <int kChannels, class T, class A>
+JK_HD void accumulate_cell_gradient(const RoiBox<A>& box, int64_t h, int64_t w, const T* box_dout,
+                                    int64_t channels, const RoiAlignProblem& p, A (&acc)[kChannels]) {
+  const int64_t bins = p.bins();
+  for_each_cell_sample(box, h, w, p, [&](int64_t bin, A weight) {
+ROI_ALIGN_UNROLL
+    for (int c = 0; c < kChannels; ++c)
+      if (c < channels) acc[c] += to_acc(box_dout[c * bins + bin]) * weight / box.count;
+  });
+}
+
+// Box gradient: d[0..3] += d (sum over the channels of dout * output) / d (x1, y1, x2, y2), before
+// the division by box.count, for bin `bin`; box_dout points at dout[box, first channel, 0, 0] and
+// planes at the first channel plane of the box's image.
+template <int kChannels, class T, class A>
+JK_HD void accumulate_box_gradient(const RoiBox<A>& box, int64_t bin, const T* box_dout,
+                                   const T* planes, int64_t channels, const RoiAlignProblem& p,
+                                   double (&d)[4]) {
+  const int64_t bins = p.bins(), plane = p.H * p.W;
+  A grad[kChannels];
+ROI_ALIGN_UNROLL
+  for (int c = 0; c < kChannels; ++c) grad[c] = c < channels ? to_acc(box_dout[c * bins + bin]) : A(0);
+  for_each_bin_sample(box, bin, p, [&](int64_t ty, const AxisSample<A>& sy, int64_t tx,
+                                       const AxisSample<A>& sx) {
+    const BilinearTaps<A> taps = bilinear_taps(sy, sx, p.W);
+    A along_y = A(0), along_x = A(0);
+ROI_ALIGN_UNROLL
+    for (int c = 0; c < kChannels; ++c) {
+      if (c < channels) {
+        A dy, dx;
+        value_gradient(taps, sy, sx, planes + c * plane, &dy, &dx);
+        along_y += grad[c] * dy;
+        along_x += grad[c] * dx;
+      }
+    }
+    const double gy = double(sy.slope * along_y), gx = double(sx.slope * along_x);
+    d[0] += gx * double(box.x.d_first(tx));
+    d[1] += gy * double(box.y.d_first(ty));
+    d[2] += gx * double(box.x.d_second(tx));
+    d[3] += gy * double(box.y.d_second(ty));
+  });
+}
+
 // ---- FFI attributes, shared by the CPU and CUDA handlers (host only) ----------------------------
 
 // Every roi_align target takes these attributes (decoded with .Attrs<RoiAlignAttrs>()).
@@ -247,27 +451,40 @@ struct RoiAlignAttrs {
   ffi::Span<const int64_t> batch_terms;  // (divisor, modulus, stride) per term, flattened
 };
 
-// The problem of an input [N, C, H, W] and K boxes under `attrs`, or a message saying what is
-// inconsistent (the Python wrapper checks all of it at trace time already).
-inline std::string make_roi_align_problem(const RoiAlignAttrs& attrs, int64_t N, int64_t C, int64_t H,
-                                          int64_t W, int64_t K, RoiAlignProblem* problem) {
-  if (attrs.pooled_height < 1 || attrs.pooled_width < 1) return "output size must be positive";
-  if (attrs.sampling_ratio > kRoiAlignMaxAdaptiveGrid) return "sampling_ratio above 2^20";
+// The problem of a call, or an InvalidArgument error naming `op`: `input` is the input or its
+// gradient [N, C, H, W], `binned` the output or its gradient [K, C, PH, PW], all of one element
+// type (the Python wrapper checks all of it at trace time already).
+inline ffi::Error roi_align_problem(const char* op, const RoiAlignAttrs& attrs,
+                                    const ffi::AnyBuffer& input, const ffi::AnyBuffer& boxes,
+                                    const ffi::AnyBuffer& binned, RoiAlignProblem* problem) {
+  auto invalid = [op](const std::string& what) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
+  };
+  const auto in = input.dimensions(), rois = boxes.dimensions(), out = binned.dimensions();
+  if (in.size() != 4 || rois.size() != 2 || rois[1] != 5 || out.size() != 4)
+    return invalid("expected input [N, C, H, W], boxes [K, 5] and output [K, C, PH, PW]");
+  if (out[0] != rois[0] || out[1] != in[1] || out[2] != attrs.pooled_height ||
+      out[3] != attrs.pooled_width || attrs.pooled_height < 1 || attrs.pooled_width < 1)
+    return invalid("output (or its gradient) is not [K, C, PH, PW]");
+  if (input.element_type() != boxes.element_type() || binned.element_type() != boxes.element_type())
+    return invalid("operands differ in element type");
+  if (attrs.sampling_ratio > kRoiAlignMaxAdaptiveGrid) return invalid("sampling_ratio above 2^20");
   RoiAlignBatching batching;
   batching.images = attrs.batch_images;
   const int64_t values = int64_t(attrs.batch_terms.size());
-  if (values % 3 != 0 || values / 3 > kRoiAlignMaxBatchTerms) return "invalid batch terms";
+  if (values % 3 != 0 || values / 3 > kRoiAlignMaxBatchTerms) return invalid("invalid batch terms");
   batching.terms = int(values / 3);
   for (int i = 0; i < batching.terms; ++i) {
     batching.divisor[i] = attrs.batch_terms[3 * i];
     batching.modulus[i] = attrs.batch_terms[3 * i + 1];
     batching.stride[i] = attrs.batch_terms[3 * i + 2];
     if (batching.divisor[i] < 1 || batching.modulus[i] < 1 || batching.stride[i] < 0)
-      return "invalid batch terms";
+      return invalid("invalid batch terms");
   }
-  *problem = RoiAlignProblem{N, C, H, W, K, attrs.pooled_height, attrs.pooled_width,
-                             attrs.spatial_scale, attrs.sampling_ratio, attrs.aligned, batching};
-  return "";
+  *problem = RoiAlignProblem{in[0], in[1], in[2], in[3], rois[0], attrs.pooled_height,
+                             attrs.pooled_width, attrs.spatial_scale, attrs.sampling_ratio,
+                             attrs.aligned, batching};
+  return ffi::Error::Success();
 }
 
 }  // namespace jax_kernels
