@@ -71,6 +71,42 @@ RowLists row_lists(const std::vector<RoiBox<A>>& geometry, const RoiAlignProblem
   return lists;
 }
 
+// The column samples of each box, column by column: (column, bin column, weight), in the order
+// for_each_cell_sample visits them.
+template <class A>
+struct ColumnSamples {
+  struct Entry {
+    int64_t w, bin_column;
+    A weight;
+  };
+  std::vector<int64_t> begin;  // K + 1 offsets into entries
+  std::vector<Entry> entries;
+};
+
+template <class A>
+ColumnSamples<A> column_samples(const std::vector<RoiBox<A>>& geometry, const RoiAlignProblem& p) {
+  std::vector<std::vector<typename ColumnSamples<A>::Entry>> per_box(p.K);
+  parallel_for(p.K, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const RoiAxis<A>& x = geometry[k].x;
+      if (geometry[k].image < 0) continue;
+      for (int64_t w = x.span_first; w <= x.span_last; ++w)
+        for_each_index_sample(x, w, p.W, [&](int64_t tx, A wx) {
+          per_box[k].push_back({w, tx / x.grid, wx});
+        });
+    }
+  });
+  ColumnSamples<A> columns;
+  columns.begin.assign(p.K + 1, 0);
+  for (int64_t k = 0; k < p.K; ++k) columns.begin[k + 1] = columns.begin[k] + int64_t(per_box[k].size());
+  columns.entries.reserve(columns.begin.back());
+  for (const auto& entries : per_box) columns.entries.insert(columns.entries.end(), entries.begin(), entries.end());
+  return columns;
+}
+
+// The row-list gather of the CUDA path with its loops reordered for the CPU: per input row and
+// channel chunk, the boxes of the row in order, per box its row samples, per row sample its column
+// samples. Every input cell receives the terms of accumulate_cell_gradient in the same order.
 template <class T>
 void backward_input_typed(const RoiAlignProblem& p, const T* dout, const T* boxes, T* d_input) {
   using A = acc_t<T>;
@@ -78,23 +114,34 @@ void backward_input_typed(const RoiAlignProblem& p, const T* dout, const T* boxe
   parallel_for(p.K, 64, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) geometry[k] = roi_box_with_spans(boxes, k, p);
   });
-  const RowLists lists = row_lists(geometry, p);
+  const RowLists rows = row_lists(geometry, p);
+  const ColumnSamples<A> columns = column_samples(geometry, p);
   const int64_t chunks = channel_chunks(p), bins = p.bins(), plane = p.H * p.W;
   parallel_for(p.N * p.H * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<A> acc(p.W * kChannels);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t row = task / chunks, c_begin = (task % chunks) * kChannels;
       const int64_t n = row / p.H, h = row % p.H;
       const int64_t channels = std::min<int64_t>(kChannels, p.C - c_begin);
-      T* out = d_input + (n * p.C + c_begin) * plane + h * p.W;
-      for (int64_t w = 0; w < p.W; ++w) {
-        A acc[kChannels] = {};
-        for (int64_t e = lists.begin[row]; e < lists.begin[row + 1]; ++e) {
-          const int64_t k = lists.boxes[e];
-          accumulate_cell_gradient<kChannels>(geometry[k], h, w, dout + (k * p.C + c_begin) * bins,
-                                              channels, p, acc);
-        }
-        for (int64_t c = 0; c < channels; ++c) out[c * plane + w] = from_acc<T>(acc[c]);
+      std::fill(acc.begin(), acc.end(), A(0));
+      for (int64_t e = rows.begin[row]; e < rows.begin[row + 1]; ++e) {
+        const int64_t k = rows.boxes[e];
+        const RoiBox<A>& box = geometry[k];
+        const T* g = dout + (k * p.C + c_begin) * bins;
+        for_each_index_sample(box.y, h, p.H, [&](int64_t ty, A wy) {
+          const T* g_row = g + (ty / box.y.grid) * p.PW;
+          for (int64_t i = columns.begin[k]; i < columns.begin[k + 1]; ++i) {
+            const auto& column = columns.entries[i];
+            const A weight = wy * column.weight;
+            A* cell = acc.data() + column.w * kChannels;
+            for (int64_t c = 0; c < channels; ++c)
+              cell[c] += to_acc(g_row[c * bins + column.bin_column]) * weight / box.count;
+          }
+        });
       }
+      T* out = d_input + (n * p.C + c_begin) * plane + h * p.W;
+      for (int64_t w = 0; w < p.W; ++w)
+        for (int64_t c = 0; c < channels; ++c) out[c * plane + w] = from_acc<T>(acc[w * kChannels + c]);
     }
   });
 }

@@ -306,41 +306,40 @@ JK_HD void for_each_bin_sample(const RoiBox<A>& box, int64_t bin, const RoiAlign
   }
 }
 
-// Whether some valid sample along `axis` gives input index i a nonzero weight.
-template <class A>
-JK_HD bool touches(const RoiAxis<A>& axis, int64_t i, int64_t size) {
+// Calls f(t, weight) for every sample t along `axis` that gives input index i a nonzero weight,
+// in ascending t.
+template <class A, class F>
+JK_HD void for_each_index_sample(const RoiAxis<A>& axis, int64_t i, int64_t extent, F&& f) {
+  if (i < axis.span_first || i > axis.span_last) return;
   int64_t t0, t1;
   index_candidates(axis, i, &t0, &t1);
   for (int64_t t = t0; t < t1; ++t) {
-    const AxisSample<A> s = axis_sample(axis.position(t), size);
-    if (s.valid && s.weight_of(i) != A(0)) return true;
+    const AxisSample<A> s = axis_sample(axis.position(t), extent);
+    const A weight = s.valid ? s.weight_of(i) : A(0);
+    if (weight != A(0)) f(t, weight);
   }
-  return false;
 }
 
-// Calls f(bin, weight) for every sample of `box` that gives input cell (h, w) a nonzero bilinear
-// weight, in ascending (ty, tx) order: the input gradient of the cell is the sum over the boxes
-// of its image of weight * dout[box, c, bin] / count. With the boxes taken in index order, this
-// fixes the order of every sum of the input gradient.
+// Whether some valid sample along `axis` gives input index i a nonzero weight.
+template <class A>
+JK_HD bool touches(const RoiAxis<A>& axis, int64_t i, int64_t extent) {
+  bool touched = false;
+  for_each_index_sample(axis, i, extent, [&](int64_t, A) { touched = true; });
+  return touched;
+}
+
+// Calls f(bin, wy, wx) for every sample of `box` that gives input cell (h, w) a nonzero bilinear
+// weight wy * wx, in ascending (ty, tx) order: the input gradient of the cell is the sum over the
+// boxes of its image of dout[box, c, bin] * (wy * wx) / count. With the boxes taken in index
+// order, this fixes the order of every sum of the input gradient.
 template <class A, class F>
 JK_HD void for_each_cell_sample(const RoiBox<A>& box, int64_t h, int64_t w, const RoiAlignProblem& p,
                                 F&& f) {
-  if (w < box.x.span_first || w > box.x.span_last || h < box.y.span_first || h > box.y.span_last)
-    return;
-  int64_t ty0, ty1, tx0, tx1;
-  index_candidates(box.y, h, &ty0, &ty1);
-  index_candidates(box.x, w, &tx0, &tx1);
-  for (int64_t ty = ty0; ty < ty1; ++ty) {
-    const AxisSample<A> sy = axis_sample(box.y.position(ty), p.H);
-    const A wy = sy.valid ? sy.weight_of(h) : A(0);
-    if (wy == A(0)) continue;
+  if (w < box.x.span_first || w > box.x.span_last) return;
+  for_each_index_sample(box.y, h, p.H, [&](int64_t ty, A wy) {
     const int64_t bin_row = (ty / box.y.grid) * p.PW;
-    for (int64_t tx = tx0; tx < tx1; ++tx) {
-      const AxisSample<A> sx = axis_sample(box.x.position(tx), p.W);
-      const A wx = sx.valid ? sx.weight_of(w) : A(0);
-      if (wx != A(0)) f(bin_row + tx / box.x.grid, wy * wx);
-    }
-  }
+    for_each_index_sample(box.x, w, p.W, [&](int64_t tx, A wx) { f(bin_row + tx / box.x.grid, wy, wx); });
+  });
 }
 
 // The four taps of a sample in a channel plane with torchvision's weights w1 = hy hx, w2 = hy lx,
@@ -399,10 +398,10 @@ template <int kChannels, class T, class A>
 JK_HD void accumulate_cell_gradient(const RoiBox<A>& box, int64_t h, int64_t w, const T* box_dout,
                                     int64_t channels, const RoiAlignProblem& p, A (&acc)[kChannels]) {
   const int64_t bins = p.bins();
-  for_each_cell_sample(box, h, w, p, [&](int64_t bin, A weight) {
+  for_each_cell_sample(box, h, w, p, [&](int64_t bin, A wy, A wx) {
 ROI_ALIGN_UNROLL
     for (int c = 0; c < kChannels; ++c)
-      if (c < channels) acc[c] += to_acc(box_dout[c * bins + bin]) * weight / box.count;
+      if (c < channels) acc[c] += to_acc(box_dout[c * bins + bin]) * (wy * wx) / box.count;
   });
 }
 
