@@ -215,6 +215,11 @@ def _backward_input_call(params: _Params, batching: _Batching, shape: tuple[int,
         n, _, h, _ = shape
         scratch_bytes = _ffi.query("roi_align_backward_input_scratch", n, h, boxes.shape[0],
                                    params.pooled_height, params.sampling_ratio)
+        if scratch_bytes < 0:
+            raise ValueError(
+                f"roi_align(): the deterministic CUDA input gradient sorts one entry per box and "
+                f"touched input row in 32 bits; {boxes.shape[0]} boxes on {n} images of {h} rows "
+                "exceed that: use deterministic=False (float32/float64) or fewer boxes per call")
         scratch = jax.ShapeDtypeStruct((scratch_bytes,), jnp.uint8)
         d_input, _ = _ffi.call("jk_roi_align_bwd_input", (result, scratch), dout, boxes, **attrs)
         return d_input

@@ -1,9 +1,10 @@
-// CPU FFI handlers of roi_align: the forward, the input gradient and the box gradient. They run
-// the same per-item functions as the CUDA kernels (roi_align.h), so the CPU tests exercise the
-// GPU's formulas: the forward and the box gradient per (box, bin, channel chunk); the input
-// gradient as an ordered gather per input cell over the boxes touching its row, taken in index
-// order (the CUDA path sorts to build the same row lists). Every pass is deterministic whatever
-// the thread count.
+// CPU FFI handlers of roi_align: the forward, the input gradient and the box gradient, built from
+// the functions of roi_align.h that the CUDA kernels run, so the CPU tests exercise the GPU's
+// formulas. The forward and the box gradient take the same (box, bin, channel chunk) items as the
+// CUDA kernels. The input gradient is the CUDA gather (per input row, the boxes touching it in
+// index order; per box, its samples reaching the cell) with the sample searches hoisted out of
+// the cell loop: every cell receives the same terms in the same order. Every pass is deterministic
+// whatever the thread count.
 #include <algorithm>
 #include <cstdint>
 #include <string>

@@ -28,7 +28,7 @@ namespace jax_kernels {
 // Upper bound of the adaptive sample grid (sampling_ratio <= 0) per axis and bin: only boxes larger
 // than 2^20 output bins' worth of pixels reach it. Whatever the grid, only the samples that can lie
 // inside the input are visited (see RoiAxis::candidates), so a box costs at most about
-// (2 H + 2 PH + 9) x (2 W + 2 PW + 9) samples.
+// (2 H + 3 PH + 9) x (2 W + 3 PW + 9) samples.
 constexpr int64_t kRoiAlignMaxAdaptiveGrid = int64_t(1) << 20;
 
 // How boxes map to images. Unbatched, box k reads image `batch_index` (an integer in [0, images)).
@@ -335,7 +335,7 @@ JK_HD bool touches(const RoiAxis<A>& axis, int64_t i, int64_t extent) {
 template <class A, class F>
 JK_HD void for_each_cell_sample(const RoiBox<A>& box, int64_t h, int64_t w, const RoiAlignProblem& p,
                                 F&& f) {
-  if (w < box.x.span_first || w > box.x.span_last) return;
+  if (w < box.x.span_first || w > box.x.span_last) return;  // before the search along y
   for_each_index_sample(box.y, h, p.H, [&](int64_t ty, A wy) {
     const int64_t bin_row = (ty / box.y.grid) * p.PW;
     for_each_index_sample(box.x, w, p.W, [&](int64_t tx, A wx) { f(bin_row + tx / box.x.grid, wy, wx); });
