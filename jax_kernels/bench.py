@@ -237,7 +237,8 @@ def roi_align_gather(input, boxes, output_size, spatial_scale, sampling_ratio, a
     wy_low, wy_high = hy[:, :, None, None], ly[:, :, None, None]
     wx_low, wx_high = hx[:, None, :, None], lx[:, None, :, None]
     value = (wy_low * wx_low * corner(y_low, x_low) + wy_low * wx_high * corner(y_low, x_high)
-             + wy_high * wx_low * corner(y_high, x_low) + wy_high * wx_high * corner(y_high, x_high))
+             + wy_high * wx_low * corner(y_high, x_low)
+             + wy_high * wx_high * corner(y_high, x_high))
     value = jnp.where((vy[:, :, None] & vx[:, None, :])[..., None], value, 0.0)
     k = boxes.shape[0]
     value = value.reshape(k, ph_count, grid, pw_count, grid, c).mean(axis=(2, 4))
@@ -248,7 +249,8 @@ def _roi_boxes(rng: np.random.Generator, count: int, images: int, height: float,
     """Detection-like boxes in image coordinates: sides of 32 to 512 pixels, clipped to the
     image, on random images."""
     side_w, side_h = rng.uniform(32, 512, count), rng.uniform(32, 512, count)
-    x1, y1 = rng.uniform(0, width - side_w.clip(max=width)), rng.uniform(0, height - side_h.clip(max=height))
+    x1 = rng.uniform(0, width - side_w.clip(max=width))
+    y1 = rng.uniform(0, height - side_h.clip(max=height))
     x2, y2 = np.minimum(x1 + side_w, width), np.minimum(y1 + side_h, height)
     batch = rng.integers(0, images, count)
     return np.stack([batch, x1, y1, x2, y2], axis=1).astype(np.float32)
@@ -292,7 +294,8 @@ def cases_roi_align(ctx: Context) -> list[Case]:
         return jax.jit(run)
 
     jk_fwd, gather_fwd = jax.jit(jk_op(True)), jax.jit(gather_op)
-    jk_both, jk_both_atomic, gather_both = fwd_bwd(jk_op(True)), fwd_bwd(jk_op(False)), fwd_bwd(gather_op)
+    jk_both, jk_both_atomic = fwd_bwd(jk_op(True)), fwd_bwd(jk_op(False))
+    gather_both = fwd_bwd(gather_op)
     output_bytes = 4 * k * c * bins * bins
     touched_bytes = 4 * c * _roi_touched_cells(boxes_np, n, h, w, bins, scale, grid)
     forward_bytes = boxes_np.nbytes + touched_bytes + output_bytes

@@ -78,7 +78,8 @@ def roi_align(input: Any, boxes: Any, output_size: int | Sequence[int], spatial_
     """
     input = as_array("roi_align", "input", input)
     if input.ndim != 4:
-        raise ValueError(f"roi_align(): expected input of shape (N, C, H, W), got {tuple(input.shape)}")
+        raise ValueError("roi_align(): expected input of shape (N, C, H, W), got "
+                         f"{tuple(input.shape)}")
     boxes = _rois(input, boxes)
     check_float_dtypes("roi_align", input=input, boxes=boxes)
     params = _Params(*_output_size(output_size), _spatial_scale(spatial_scale),
@@ -98,8 +99,8 @@ def _rois(input: jax.Array, boxes: Any) -> jax.Array:
     parts = [as_array("roi_align", f"boxes[{i}]", b) for i, b in enumerate(boxes)]
     for i, b in enumerate(parts):
         if b.ndim != 2 or b.shape[1] != 4:
-            raise ValueError(f"roi_align(): expected each array in the list of boxes of shape (L, 4), "
-                             f"got {tuple(b.shape)} at index {i}")
+            raise ValueError("roi_align(): expected each array in the list of boxes of shape "
+                             f"(L, 4), got {tuple(b.shape)} at index {i}")
         check_float_dtypes("roi_align", input=input, **{f"boxes[{i}]": b})
     limit = _EXACT_INTEGERS.get(np.dtype(input.dtype))
     if limit is not None and len(parts) > limit:
@@ -128,8 +129,8 @@ def _output_size(output_size: Any) -> tuple[int, int]:
 
 def _spatial_scale(spatial_scale: Any) -> float:
     if isinstance(spatial_scale, (bool, np.bool_)) or not isinstance(spatial_scale, numbers.Real):
-        raise TypeError("roi_align(): spatial_scale must be a Python float (a static argument), got "
-                        f"{type(spatial_scale).__name__}")
+        raise TypeError("roi_align(): spatial_scale must be a Python float (a static argument), "
+                        f"got {type(spatial_scale).__name__}")
     return float(spatial_scale)
 
 
@@ -137,7 +138,8 @@ def _sampling_ratio(sampling_ratio: Any) -> int:
     try:
         ratio = operator.index(sampling_ratio)
     except TypeError:
-        raise TypeError(f"roi_align(): sampling_ratio must be an int, got {sampling_ratio!r}") from None
+        raise TypeError(
+            f"roi_align(): sampling_ratio must be an int, got {sampling_ratio!r}") from None
     if ratio > _MAX_SAMPLING_RATIO:
         raise ValueError(f"roi_align(): sampling_ratio must be at most 2^20, got {ratio}")
     return ratio
@@ -271,7 +273,7 @@ def _backward_boxes(params: _Params, batching: _Batching):
     return backward_boxes
 
 
-# --- differentiation --------------------------------------------------------------------------------
+# --- differentiation --------------------------------------------------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

@@ -278,14 +278,16 @@ def problems(draw):
         rows.append([batch, coordinate(w), coordinate(h), coordinate(w), coordinate(h)])
     boxes = np.asarray(rows, dtype=np.float64).reshape(-1, 5)
     seed = draw(st.integers(0, 2**16))
-    return (random(seed, (n, c, h, w), jnp.float64), jnp.asarray(boxes), size, scale, sampling_ratio, aligned)
+    x = random(seed, (n, c, h, w), jnp.float64)
+    return x, jnp.asarray(boxes), size, scale, sampling_ratio, aligned
 
 
 @settings(max_examples=40, deadline=None)
 @given(problems())
 def test_random_problems_match_reference(problem):
     x, boxes, size, scale, sampling_ratio, aligned = problem
-    out, vjp = jax.vjp(lambda x, b: jk.roi_align(x, b, size, scale, sampling_ratio, aligned), x, boxes)
+    op = lambda x, b: jk.roi_align(x, b, size, scale, sampling_ratio, aligned)
+    out, vjp = jax.vjp(op, x, boxes)
     assert_close(out, reference(x, boxes, size, scale, sampling_ratio, aligned), jnp.float64)
     dout = random(1, out.shape, jnp.float64)
     d_input, d_boxes = vjp(dout)
@@ -320,7 +322,8 @@ def test_nonfinite_and_huge_coordinates_are_defined_and_fast():
     ])
     start = time.perf_counter()
     for sampling_ratio, aligned in [(-1, False), (-1, True), (2, False)]:
-        out, vjp = jax.vjp(lambda x, b: jk.roi_align(x, b, 7, 1.0, sampling_ratio, aligned), x, boxes)
+        op = lambda x, b: jk.roi_align(x, b, 7, 1.0, sampling_ratio, aligned)
+        out, vjp = jax.vjp(op, x, boxes)
         d_input, d_boxes = vjp(jnp.ones_like(out))
         for a in (out, d_input, d_boxes):
             assert np.all(np.isfinite(np.asarray(a)))
@@ -416,7 +419,8 @@ def test_lowered_program_is_custom_calls_only():
                                             "jk_roi_align_bwd_boxes"), forbidden=FORBIDDEN)
     batched = jax.vmap(grad, in_axes=(0, 0))
     assert_lowered(batched, jnp.stack([x, x]), jnp.stack([boxes, boxes]),
-                   targets=("jk_roi_align_bwd_input", "jk_roi_align_bwd_boxes"), forbidden=FORBIDDEN)
+                   targets=("jk_roi_align_bwd_input", "jk_roi_align_bwd_boxes"),
+                   forbidden=FORBIDDEN)
 
 
 def test_unused_box_gradient_is_dropped():
@@ -480,9 +484,11 @@ def test_matches_torchvision(dtype, aligned, sampling_ratio, spatial_scale, outp
 
 def test_errors_name_the_op_and_show_shapes():
     x, boxes = inputs()
-    with pytest.raises(ValueError, match=r"roi_align\(\): expected input of shape \(N, C, H, W\), got \(3, 4\)"):
+    with pytest.raises(ValueError, match=r"roi_align\(\): expected input of shape "
+                                         r"\(N, C, H, W\), got \(3, 4\)"):
         jk.roi_align(jnp.zeros((3, 4)), boxes, 2)
-    with pytest.raises(ValueError, match=r"roi_align\(\): expected boxes of shape \(K, 5\).*got \(3, 4\)"):
+    with pytest.raises(ValueError,
+                       match=r"roi_align\(\): expected boxes of shape \(K, 5\).*got \(3, 4\)"):
         jk.roi_align(x, jnp.zeros((3, 4)), 2)
     with pytest.raises(ValueError, match=r"roi_align\(\).*\(L, 4\), got \(2, 5\) at index 1"):
         jk.roi_align(x, [jnp.zeros((1, 4)), jnp.zeros((2, 5))], 2)

@@ -99,9 +99,11 @@ ColumnSamples<A> column_samples(const std::vector<RoiBox<A>>& geometry, const Ro
   });
   ColumnSamples<A> columns;
   columns.begin.assign(p.K + 1, 0);
-  for (int64_t k = 0; k < p.K; ++k) columns.begin[k + 1] = columns.begin[k] + int64_t(per_box[k].size());
+  for (int64_t k = 0; k < p.K; ++k)
+    columns.begin[k + 1] = columns.begin[k] + int64_t(per_box[k].size());
   columns.entries.reserve(columns.begin.back());
-  for (const auto& entries : per_box) columns.entries.insert(columns.entries.end(), entries.begin(), entries.end());
+  for (const auto& entries : per_box)
+    columns.entries.insert(columns.entries.end(), entries.begin(), entries.end());
   return columns;
 }
 
@@ -142,7 +144,8 @@ void backward_input_typed(const RoiAlignProblem& p, const T* dout, const T* boxe
       }
       T* out = d_input + (n * p.C + c_begin) * plane + h * p.W;
       for (int64_t w = 0; w < p.W; ++w)
-        for (int64_t c = 0; c < channels; ++c) out[c * plane + w] = from_acc<T>(acc[w * kChannels + c]);
+        for (int64_t c = 0; c < channels; ++c)
+          out[c * plane + w] = from_acc<T>(acc[w * kChannels + c]);
     }
   });
 }
@@ -174,12 +177,14 @@ void backward_boxes_typed(const RoiAlignProblem& p, const T* dout, const T* inpu
 ffi::Error roi_align_forward(ffi::AnyBuffer input, ffi::AnyBuffer boxes, RoiAlignAttrs attrs,
                              ffi::Result<ffi::AnyBuffer> out) {
   RoiAlignProblem p;
-  if (auto err = roi_align_problem("roi_align", attrs, input, boxes, *out, &p); err.failure()) return err;
+  if (auto err = roi_align_problem("roi_align", attrs, input, boxes, *out, &p); err.failure())
+    return err;
   if (p.K * p.C == 0) return ffi::Error::Success();
   return dispatch_float(input.element_type(), "roi_align", [&](auto tag) {
     using T = typename decltype(tag)::type;
     forward_typed(p, static_cast<const T*>(input.untyped_data()),
-                  static_cast<const T*>(boxes.untyped_data()), static_cast<T*>(out->untyped_data()));
+                  static_cast<const T*>(boxes.untyped_data()),
+                  static_cast<T*>(out->untyped_data()));
     return ffi::Error::Success();
   });
 }
@@ -187,7 +192,8 @@ ffi::Error roi_align_forward(ffi::AnyBuffer input, ffi::AnyBuffer boxes, RoiAlig
 ffi::Error roi_align_backward_input(ffi::AnyBuffer dout, ffi::AnyBuffer boxes, RoiAlignAttrs attrs,
                                     ffi::Result<ffi::AnyBuffer> d_input) {
   RoiAlignProblem p;
-  if (auto err = roi_align_problem("roi_align backward", attrs, *d_input, boxes, dout, &p); err.failure())
+  if (auto err = roi_align_problem("roi_align backward", attrs, *d_input, boxes, dout, &p);
+      err.failure())
     return err;
   if (p.N * p.C * p.H * p.W == 0) return ffi::Error::Success();
   return dispatch_float(dout.element_type(), "roi_align backward", [&](auto tag) {
@@ -202,7 +208,8 @@ ffi::Error roi_align_backward_input(ffi::AnyBuffer dout, ffi::AnyBuffer boxes, R
 ffi::Error roi_align_backward_boxes(ffi::AnyBuffer dout, ffi::AnyBuffer input, ffi::AnyBuffer boxes,
                                     RoiAlignAttrs attrs, ffi::Result<ffi::AnyBuffer> d_boxes) {
   RoiAlignProblem p;
-  if (auto err = roi_align_problem("roi_align backward", attrs, input, boxes, dout, &p); err.failure())
+  if (auto err = roi_align_problem("roi_align backward", attrs, input, boxes, dout, &p);
+      err.failure())
     return err;
   if (p.K == 0) return ffi::Error::Success();
   return dispatch_float(input.element_type(), "roi_align backward", [&](auto tag) {

@@ -10,7 +10,7 @@
 //      value = box) and stores the box geometry.
 //   2. A stable radix sort (CUB) groups the entries by row, boxes in index order within a row,
 //      and a binary search per row gives each row's segment.
-//   3. One thread per (input cell, channel chunk) walks its row's boxes in order and, per box,
+//   3. One thread per (input cell, 32 channels) walks its row's boxes in order and, per box,
 //      the few samples that reach its row and column, summing weight * dout in a fixed order.
 // Every sum has an order that depends only on the data, so d_input is bitwise reproducible.
 // Scratch (geometry, keys, values, row offsets, CUB temp storage) comes from XLA as an extra
@@ -37,6 +37,8 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kChannels = 16;  // channels per thread: the sample geometry is reused over them
+// The gather's per-(cell, box) sample search is paid once per chunk: a larger chunk there.
+constexpr int kGatherChannels = 32;
 
 // ---- forward and atomic input gradient ----------------------------------------------------------
 
@@ -92,7 +94,8 @@ __global__ void __launch_bounds__(kThreads)
     A grad[kChannels];
     const T* g = dout + (item.k * p.C + item.c_begin) * bins + item.bin;
 #pragma unroll
-    for (int c = 0; c < kChannels; ++c) grad[c] = c < channels ? to_acc(g[c * bins]) / box.count : A(0);
+    for (int c = 0; c < kChannels; ++c)
+      grad[c] = c < channels ? to_acc(g[c * bins]) / box.count : A(0);
     T* planes = d_input + (box.image * p.C + item.c_begin) * plane;
     for_each_bin_sample(box, item.bin, p, [&](int64_t, const AxisSample<A>& sy, int64_t,
                                               const AxisSample<A>& sx) {
@@ -111,7 +114,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// ---- box gradient ---------------------------------------------------------------------------------
+// ---- box gradient ------------------------------------------------------------------------------
 
 // One block per box. Thread j takes the items (bin, channel chunk) j, j + kThreads, ... in order;
 // the four coordinate sums are kept in double and reduced over the block in a fixed tree.
@@ -149,7 +152,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// ---- deterministic input gradient -----------------------------------------------------------------
+// ---- deterministic input gradient --------------------------------------------------------------
 
 // Row entries per box: every row its samples can touch, at most.
 int64_t row_capacity(int64_t H, int64_t PH, int64_t sampling_ratio) {
@@ -261,7 +264,8 @@ __global__ void __launch_bounds__(kThreads)
 
 template <class T>
 __global__ void __launch_bounds__(kThreads)
-    roi_align_gather_kernel(const T* __restrict__ dout, const RoiBox<acc_t<T>>* __restrict__ geometry,
+    roi_align_gather_kernel(const T* __restrict__ dout,
+                            const RoiBox<acc_t<T>>* __restrict__ geometry,
                             const uint32_t* __restrict__ boxes_by_row,
                             const uint32_t* __restrict__ offsets, T* __restrict__ d_input,
                             RoiAlignProblem p, int64_t chunks) {
@@ -270,26 +274,26 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < items; i += stride) {
     const int64_t cell = i % plane, rest = i / plane;
-    const int64_t n = rest / chunks, c_begin = (rest % chunks) * kChannels;
+    const int64_t n = rest / chunks, c_begin = (rest % chunks) * kGatherChannels;
     const int64_t h = cell / p.W, w = cell % p.W;
-    const int64_t channels = min(int64_t(kChannels), p.C - c_begin);
-    A acc[kChannels];
+    const int64_t channels = min(int64_t(kGatherChannels), p.C - c_begin);
+    A acc[kGatherChannels];
 #pragma unroll
-    for (int c = 0; c < kChannels; ++c) acc[c] = A(0);
+    for (int c = 0; c < kGatherChannels; ++c) acc[c] = A(0);
     const int64_t row = n * p.H + h;
     for (uint32_t e = offsets[row]; e < offsets[row + 1]; ++e) {
       const int64_t k = boxes_by_row[e];
-      accumulate_cell_gradient<kChannels>(geometry[k], h, w, dout + (k * p.C + c_begin) * bins,
-                                          channels, p, acc);
+      const T* box_dout = dout + (k * p.C + c_begin) * bins;
+      accumulate_cell_gradient<kGatherChannels>(geometry[k], h, w, box_dout, channels, p, acc);
     }
     T* out = d_input + (n * p.C + c_begin) * plane + cell;
 #pragma unroll
-    for (int c = 0; c < kChannels; ++c)
+    for (int c = 0; c < kGatherChannels; ++c)
       if (c < channels) out[c * plane] = from_acc<T>(acc[c]);
   }
 }
 
-// ---- handlers -------------------------------------------------------------------------------------
+// ---- handlers ----------------------------------------------------------------------------------
 
 ffi::Error cub_error(cudaError_t status) {
   return ffi::Error::Internal(std::string("roi_align backward: CUB radix sort failed: ") +
@@ -301,7 +305,8 @@ int64_t channel_chunks(const RoiAlignProblem& p) { return (p.C + kChannels - 1) 
 ffi::Error roi_align_forward(cudaStream_t stream, ffi::AnyBuffer input, ffi::AnyBuffer boxes,
                              RoiAlignAttrs attrs, ffi::Result<ffi::AnyBuffer> out) {
   RoiAlignProblem p;
-  if (auto err = roi_align_problem("roi_align", attrs, input, boxes, *out, &p); err.failure()) return err;
+  if (auto err = roi_align_problem("roi_align", attrs, input, boxes, *out, &p); err.failure())
+    return err;
   const int64_t items = p.K * channel_chunks(p) * p.bins();
   if (items == 0) return ffi::Error::Success();
   return dispatch_float(input.element_type(), "roi_align", [&](auto tag) {
@@ -317,7 +322,8 @@ ffi::Error roi_align_backward_boxes(cudaStream_t stream, ffi::AnyBuffer dout, ff
                                     ffi::AnyBuffer boxes, RoiAlignAttrs attrs,
                                     ffi::Result<ffi::AnyBuffer> d_boxes) {
   RoiAlignProblem p;
-  if (auto err = roi_align_problem("roi_align backward", attrs, input, boxes, dout, &p); err.failure())
+  if (auto err = roi_align_problem("roi_align backward", attrs, input, boxes, dout, &p);
+      err.failure())
     return err;
   if (p.K == 0) return ffi::Error::Success();
   return dispatch_float(input.element_type(), "roi_align backward", [&](auto tag) {
@@ -335,7 +341,8 @@ ffi::Error roi_align_backward_input_atomic(cudaStream_t stream, ffi::AnyBuffer d
                                            ffi::AnyBuffer boxes, RoiAlignAttrs attrs,
                                            ffi::Result<ffi::AnyBuffer> d_input) {
   RoiAlignProblem p;
-  if (auto err = roi_align_problem("roi_align backward", attrs, *d_input, boxes, dout, &p); err.failure())
+  if (auto err = roi_align_problem("roi_align backward", attrs, *d_input, boxes, dout, &p);
+      err.failure())
     return err;
   if (d_input->size_bytes() == 0) return ffi::Error::Success();
   if (cudaMemsetAsync(d_input->untyped_data(), 0, d_input->size_bytes(), stream) != cudaSuccess)
@@ -345,9 +352,11 @@ ffi::Error roi_align_backward_input_atomic(cudaStream_t stream, ffi::AnyBuffer d
   return dispatch_float(dout.element_type(), "roi_align backward", [&](auto tag) -> ffi::Error {
     using T = typename decltype(tag)::type;
     if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
-      roi_align_backward_input_atomic_kernel<T><<<grid_blocks(items, kThreads), kThreads, 0, stream>>>(
-          static_cast<const T*>(dout.untyped_data()), static_cast<const T*>(boxes.untyped_data()),
-          static_cast<T*>(d_input->untyped_data()), p, channel_chunks(p));
+      roi_align_backward_input_atomic_kernel<T>
+          <<<grid_blocks(items, kThreads), kThreads, 0, stream>>>(
+              static_cast<const T*>(dout.untyped_data()),
+              static_cast<const T*>(boxes.untyped_data()), static_cast<T*>(d_input->untyped_data()),
+              p, channel_chunks(p));
       return launch_status("roi_align backward");
     } else {
       return ffi::Error::InvalidArgument(
@@ -360,7 +369,8 @@ ffi::Error roi_align_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, ff
                                     RoiAlignAttrs attrs, ffi::Result<ffi::AnyBuffer> d_input,
                                     ffi::Result<ffi::AnyBuffer> scratch) {
   RoiAlignProblem p;
-  if (auto err = roi_align_problem("roi_align backward", attrs, *d_input, boxes, dout, &p); err.failure())
+  if (auto err = roi_align_problem("roi_align backward", attrs, *d_input, boxes, dout, &p);
+      err.failure())
     return err;
   if (d_input->size_bytes() == 0) return ffi::Error::Success();
   if (p.K == 0) {
@@ -372,7 +382,8 @@ ffi::Error roi_align_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, ff
   if (!scratch_layout(p.N, p.H, p.K, p.PH, p.sampling_ratio, &layout))
     return ffi::Error::InvalidArgument("roi_align backward: too many row entries for the sort");
   if (int64_t(scratch->size_bytes()) < layout.total)
-    return ffi::Error::InvalidArgument("roi_align backward: scratch buffer smaller than the query's size");
+    return ffi::Error::InvalidArgument(
+        "roi_align backward: scratch buffer smaller than the query's size");
   char* base = static_cast<char*>(scratch->untyped_data());
   uint32_t* keys_in = reinterpret_cast<uint32_t*>(base + layout.keys_in);
   uint32_t* keys_out = reinterpret_cast<uint32_t*>(base + layout.keys_out);
@@ -409,7 +420,7 @@ ffi::Error roi_align_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, ff
         keys.Current(), layout.entries, rows, offsets);
     if (auto err = launch_status("roi_align backward"); err.failure()) return err;
 
-    const int64_t chunks = channel_chunks(p);
+    const int64_t chunks = (p.C + kGatherChannels - 1) / kGatherChannels;
     const int64_t items = p.N * chunks * p.H * p.W;
     roi_align_gather_kernel<T><<<grid_blocks(items, kThreads), kThreads, 0, stream>>>(
         static_cast<const T*>(dout.untyped_data()), geometry, values.Current(), offsets,

@@ -3,9 +3,10 @@
 // sample along one axis, the derivatives of sample positions with respect to the box
 // coordinates, and the search for the samples that can reach a range of input rows or columns.
 //
-// A box's samples are separable: sample (ty, tx) sits at (y(ty), x(tx)), where ty = ph * grid_h + iy
-// indexes the samples of all bins along y, and the bilinear weight of input cell (h, w) is the
-// product of a row weight and a column weight. Every function works in the accumulation type A.
+// A box's samples are separable: sample (ty, tx) sits at (y(ty), x(tx)), where
+// ty = ph * grid_h + iy indexes the samples of all bins along y, and the bilinear weight of input
+// cell (h, w) is the product of a row weight and a column weight. Every function works in the
+// accumulation type A.
 #pragma once
 
 #include <cmath>
@@ -191,7 +192,8 @@ JK_HD int64_t roi_image(A batch, int64_t k, const RoiAlignProblem& p) {
 }
 
 template <class A>
-JK_HD RoiAxis<A> roi_axis(A first, A second, int64_t bins, int64_t extent, const RoiAlignProblem& p) {
+JK_HD RoiAxis<A> roi_axis(A first, A second, int64_t bins, int64_t extent,
+                          const RoiAlignProblem& p) {
   RoiAxis<A> axis;
   axis.scale = A(p.spatial_scale);
   axis.bins = bins;
@@ -287,7 +289,7 @@ JK_HD RoiBox<acc_t<T>> roi_box_with_spans(const T* boxes, int64_t k, const RoiAl
   return box;
 }
 
-// ---- sample loops shared by every pass on both backends --------------------------------------------
+// ---- sample loops shared by every pass on both backends -----------------------------------------
 
 // Calls f(ty, sy, tx, sx) for every valid sample of bin `bin` (= ph * PW + pw), rows outer and
 // columns inner, each in ascending order.
@@ -333,12 +335,13 @@ JK_HD bool touches(const RoiAxis<A>& axis, int64_t i, int64_t extent) {
 // boxes of its image of dout[box, c, bin] * (wy * wx) / count. With the boxes taken in index
 // order, this fixes the order of every sum of the input gradient.
 template <class A, class F>
-JK_HD void for_each_cell_sample(const RoiBox<A>& box, int64_t h, int64_t w, const RoiAlignProblem& p,
-                                F&& f) {
+JK_HD void for_each_cell_sample(const RoiBox<A>& box, int64_t h, int64_t w,
+                                const RoiAlignProblem& p, F&& f) {
   if (w < box.x.span_first || w > box.x.span_last) return;  // before the search along y
   for_each_index_sample(box.y, h, p.H, [&](int64_t ty, A wy) {
     const int64_t bin_row = (ty / box.y.grid) * p.PW;
-    for_each_index_sample(box.x, w, p.W, [&](int64_t tx, A wx) { f(bin_row + tx / box.x.grid, wy, wx); });
+    for_each_index_sample(box.x, w, p.W,
+                          [&](int64_t tx, A wx) { f(bin_row + tx / box.x.grid, wy, wx); });
   });
 }
 
@@ -366,8 +369,8 @@ JK_HD BilinearTaps<A> bilinear_taps(const AxisSample<A>& sy, const AxisSample<A>
 // d value / d y and d value / d x of a sample in a channel plane, without the clamping slopes
 // (sy.slope, sx.slope), which callers apply once after summing over channels.
 template <class T, class A>
-JK_HD void value_gradient(const BilinearTaps<A>& t, const AxisSample<A>& sy, const AxisSample<A>& sx,
-                          const T* plane, A* along_y, A* along_x) {
+JK_HD void value_gradient(const BilinearTaps<A>& t, const AxisSample<A>& sy,
+                          const AxisSample<A>& sx, const T* plane, A* along_y, A* along_x) {
   const A v1 = to_acc(plane[t.o1]), v2 = to_acc(plane[t.o2]);
   const A v3 = to_acc(plane[t.o3]), v4 = to_acc(plane[t.o4]);
   *along_y = sx.w_low * (v3 - v1) + sx.w_high * (v4 - v2);
@@ -384,7 +387,8 @@ template <int kChannels, class T, class A>
 JK_HD void accumulate_bin(const RoiBox<A>& box, int64_t bin, const T* planes, int64_t channels,
                           const RoiAlignProblem& p, A (&acc)[kChannels]) {
   const int64_t plane = p.H * p.W;
-  for_each_bin_sample(box, bin, p, [&](int64_t, const AxisSample<A>& sy, int64_t, const AxisSample<A>& sx) {
+  for_each_bin_sample(box, bin, p, [&](int64_t, const AxisSample<A>& sy, int64_t,
+                                       const AxisSample<A>& sx) {
     const BilinearTaps<A> taps = bilinear_taps(sy, sx, p.W);
 ROI_ALIGN_UNROLL
     for (int c = 0; c < kChannels; ++c)
@@ -396,7 +400,8 @@ ROI_ALIGN_UNROLL
 // points at dout[box, first channel, 0, 0].
 template <int kChannels, class T, class A>
 JK_HD void accumulate_cell_gradient(const RoiBox<A>& box, int64_t h, int64_t w, const T* box_dout,
-                                    int64_t channels, const RoiAlignProblem& p, A (&acc)[kChannels]) {
+                                    int64_t channels, const RoiAlignProblem& p,
+                                    A (&acc)[kChannels]) {
   const int64_t bins = p.bins();
   for_each_cell_sample(box, h, w, p, [&](int64_t bin, A wy, A wx) {
 ROI_ALIGN_UNROLL
@@ -415,7 +420,8 @@ JK_HD void accumulate_box_gradient(const RoiBox<A>& box, int64_t bin, const T* b
   const int64_t bins = p.bins(), plane = p.H * p.W;
   A grad[kChannels];
 ROI_ALIGN_UNROLL
-  for (int c = 0; c < kChannels; ++c) grad[c] = c < channels ? to_acc(box_dout[c * bins + bin]) : A(0);
+  for (int c = 0; c < kChannels; ++c)
+    grad[c] = c < channels ? to_acc(box_dout[c * bins + bin]) : A(0);
   for_each_bin_sample(box, bin, p, [&](int64_t ty, const AxisSample<A>& sy, int64_t tx,
                                        const AxisSample<A>& sx) {
     const BilinearTaps<A> taps = bilinear_taps(sy, sx, p.W);
