@@ -439,14 +439,15 @@ def test_deterministic_false_agrees():
 
 @pytest.mark.skipif(not ON_GPU, reason="bitwise determinism is checked on the GPU (the CPU is "
                     "deterministic by construction)")
+@pytest.mark.parametrize("sampling_ratio", [-1, 2])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
-def test_backward_is_bitwise_reproducible(dtype):
+def test_backward_is_bitwise_reproducible(dtype, sampling_ratio):
     for seed in range(3):
         x = random(seed, (2, 64, 40, 52), dtype)
         boxes = jnp.asarray(make_boxes(seed, 2, 40, 52, 0.25, count=300)).astype(dtype)
         dout = random(seed + 7, (300, 64, 7, 7), dtype)
         vjp = jax.jit(lambda x, b, g: jax.vjp(
-            lambda x, b: jk.roi_align(x, b, 7, 0.25, -1, True), x, b)[1](g))
+            lambda x, b: jk.roi_align(x, b, 7, 0.25, sampling_ratio, True), x, b)[1](g))
         first = [np.asarray(a).tobytes() for a in vjp(x, boxes, dout)]
         for _ in range(20):
             again = [np.asarray(a).tobytes() for a in vjp(x, boxes, dout)]
