@@ -4,6 +4,7 @@ as CUDA and C++ kernels registered with XLA through the typed FFI."""
 from ._capabilities import capabilities
 from .lerp import lerp
 from .repeat import repeat
+from .roi_align import roi_align
 
-__all__ = ["capabilities", "lerp", "repeat"]
+__all__ = ["capabilities", "lerp", "repeat", "roi_align"]
 __version__ = "0.1.0"
