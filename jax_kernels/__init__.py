@@ -2,9 +2,10 @@
 as CUDA and C++ kernels registered with XLA through the typed FFI."""
 
 from ._capabilities import capabilities
+from .grid_sample import grid_sample
 from .lerp import lerp
 from .repeat import repeat
 from .roi_align import roi_align
 
-__all__ = ["capabilities", "lerp", "repeat", "roi_align"]
+__all__ = ["capabilities", "grid_sample", "lerp", "repeat", "roi_align"]
 __version__ = "0.1.0"

@@ -1,0 +1,340 @@
+// CPU FFI handlers of grid_sample: the forward, the backward for d_input and the backward for
+// d_grid (torch.nn.functional.grid_sample semantics; the math is in grid_sample.h).
+//
+// Output points are processed in tiles: the taps of a tile (cell offsets, weights, slopes) are
+// computed once and reused for every channel, so the inner loops run along contiguous rows of
+// the output or of dout. The d_input backward gives each (batch row, channel range) to one
+// thread, which adds the contributions of all points in point order: like every pass here it
+// is deterministic and independent of the thread count.
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "jax_kernels/cpu_parallel.h"
+#include "jax_kernels/ffi_util.h"
+#include "jax_kernels/grid_sample.h"
+
+namespace jax_kernels {
+namespace {
+
+constexpr int64_t kTile = 128;  // output points per tile
+
+// The taps of one tile of points, structure-of-arrays so that the channel loops stream.
+template <class A, GridSampleMode kMode, int kDims>
+struct TileTaps {
+  using Taps = PointTaps<A, int64_t, kMode, kDims>;
+  static constexpr int kCount = Taps::kCount;
+  int64_t offset[kCount][kTile];
+  bool valid[kCount][kTile];
+  A weight[kCount][kTile];
+  A slope[kDims][kCount][kTile];
+
+  // Taps of `count` points whose coordinates start at `grid`.
+  template <bool kSlopes, class T>
+  void compute(const GridSampleGeometry& g, const T* grid, int64_t count) {
+    for (int64_t p = 0; p < count; ++p) {
+      A coord[kDims];
+      for (int d = 0; d < kDims; ++d) coord[d] = to_acc(grid[p * kDims + d]);
+      Taps taps;
+      taps.template compute<kSlopes>(g, coord);
+      for (int t = 0; t < kCount; ++t) {
+        offset[t][p] = taps.offset[t];
+        valid[t][p] = taps.valid[t];
+        weight[t][p] = taps.weight[t];
+        if constexpr (kSlopes)
+          for (int d = 0; d < kDims; ++d) slope[d][t][p] = taps.slope[d][t];
+      }
+    }
+  }
+};
+
+// A skipped tap reads cell 0 (always in bounds: offsets of skipped taps are 0) and counts as
+// zero, whatever that cell holds.
+template <class T, class A>
+A tap_value(const T* plane, bool valid, int64_t offset) {
+  const A v = to_acc(plane[offset]);
+  return valid ? v : A(0);
+}
+
+int64_t thread_count() {
+#if defined(_OPENMP)
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+// Tiles per batch row, and the grain (in tiles) below which threading does not pay.
+int64_t tiles_per_row(const GridSampleGeometry& g) { return (g.points + kTile - 1) / kTile; }
+int64_t tile_grain(const GridSampleGeometry& g, int taps) {
+  return std::max<int64_t>(1, (int64_t{1} << 16) / (kTile * std::max<int64_t>(g.channels, 1) * taps));
+}
+
+template <class T, GridSampleMode kMode, int kDims>
+void forward(const GridSampleCall& call, const T* input, const T* grid, T* out) {
+  using A = acc_t<T>;
+  using Tile = TileTaps<A, kMode, kDims>;
+  const GridSampleGeometry& g = call.geometry;
+  const int64_t tiles = tiles_per_row(g);
+  parallel_for(g.batch * tiles, tile_grain(g, Tile::kCount), [&](int64_t begin, int64_t end) {
+    auto taps = std::make_unique<Tile>();
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t m = item / tiles;
+      const int64_t p0 = (item % tiles) * kTile;
+      const int64_t count = std::min(kTile, g.points - p0);
+      taps->template compute<false>(g, grid + (call.grid_map(m) * g.points + p0) * kDims, count);
+      const T* in = input + call.input_map(m) * g.channels * g.cells;
+      T* o = out + m * g.channels * g.points + p0;
+      for (int64_t c = 0; c < g.channels; ++c) {
+        const T* plane = in + c * g.cells;
+        T* row = o + c * g.points;
+        for (int64_t p = 0; p < count; ++p) {
+          A sum = A(0);
+          for (int t = 0; t < Tile::kCount; ++t)
+            sum += taps->weight[t][p] * tap_value<T, A>(plane, taps->valid[t][p], taps->offset[t][p]);
+          row[p] = from_acc<T>(sum);
+        }
+      }
+    }
+  });
+}
+
+template <class T, GridSampleMode kMode, int kDims>
+void backward_grid(const GridSampleCall& call, const T* dout, const T* input, const T* grid,
+                   T* d_grid) {
+  using A = acc_t<T>;
+  using Tile = TileTaps<A, kMode, kDims>;
+  const GridSampleGeometry& g = call.geometry;
+  const int64_t tiles = tiles_per_row(g);
+  parallel_for(g.batch * tiles, tile_grain(g, Tile::kCount), [&](int64_t begin, int64_t end) {
+    auto taps = std::make_unique<Tile>();
+    std::vector<A> sums(kDims * kTile);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t m = item / tiles;
+      const int64_t p0 = (item % tiles) * kTile;
+      const int64_t count = std::min(kTile, g.points - p0);
+      taps->template compute<true>(g, grid + (call.grid_map(m) * g.points + p0) * kDims, count);
+      std::fill(sums.begin(), sums.end(), A(0));
+      const T* in = input + call.input_map(m) * g.channels * g.cells;
+      const T* d = dout + call.dout_map(m) * g.channels * g.points + p0;
+      for (int64_t c = 0; c < g.channels; ++c) {
+        const T* plane = in + c * g.cells;
+        const T* d_row = d + c * g.points;
+        for (int64_t p = 0; p < count; ++p) {
+          A along[kDims] = {};
+          for (int t = 0; t < Tile::kCount; ++t) {
+            const A v = tap_value<T, A>(plane, taps->valid[t][p], taps->offset[t][p]);
+            for (int a = 0; a < kDims; ++a) along[a] += v * taps->slope[a][t][p];
+          }
+          const A gout = to_acc(d_row[p]);
+          for (int a = 0; a < kDims; ++a) sums[a * kTile + p] += gout * along[a];
+        }
+      }
+      T* result = d_grid + (m * g.points + p0) * kDims;
+      for (int64_t p = 0; p < count; ++p)
+        for (int a = 0; a < kDims; ++a) result[p * kDims + a] = from_acc<T>(sums[a * kTile + p]);
+    }
+  });
+}
+
+template <class T, GridSampleMode kMode, int kDims>
+void backward_input(const GridSampleCall& call, const T* dout, const T* grid, T* d_input) {
+  using A = acc_t<T>;
+  using Tile = TileTaps<A, kMode, kDims>;
+  const GridSampleGeometry& g = call.geometry;
+  const int64_t tiles = tiles_per_row(g);
+  // Channel ranges per batch row: enough work items to keep every thread busy.
+  const int64_t groups = std::clamp<int64_t>((2 * thread_count() + g.batch - 1) / std::max<int64_t>(g.batch, 1),
+                                             1, std::max<int64_t>(g.channels, 1));
+  parallel_for(g.batch * groups, 1, [&](int64_t begin, int64_t end) {
+    auto taps = std::make_unique<Tile>();
+    std::vector<A> widened;  // float accumulators for the half types
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t m = item / groups;
+      const int64_t group = item % groups;
+      const int64_t c0 = g.channels * group / groups;
+      const int64_t c1 = g.channels * (group + 1) / groups;
+      const int64_t planes_size = (c1 - c0) * g.cells;
+      T* result = d_input + (m * g.channels + c0) * g.cells;
+      A* acc;
+      if constexpr (std::is_same_v<A, T>) {
+        acc = result;
+      } else {
+        widened.resize(planes_size);
+        acc = widened.data();
+      }
+      std::fill(acc, acc + planes_size, A(0));
+      const T* d = dout + call.dout_map(m) * g.channels * g.points;
+      const T* grid_row = grid + call.grid_map(m) * g.points * kDims;
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        const int64_t p0 = tile * kTile;
+        const int64_t count = std::min(kTile, g.points - p0);
+        taps->template compute<false>(g, grid_row + p0 * kDims, count);
+        for (int64_t c = c0; c < c1; ++c) {
+          A* plane = acc + (c - c0) * g.cells;
+          const T* d_row = d + c * g.points + p0;
+          for (int64_t p = 0; p < count; ++p) {
+            const A gout = to_acc(d_row[p]);
+            for (int t = 0; t < Tile::kCount; ++t)
+              if (taps->valid[t][p]) plane[taps->offset[t][p]] += taps->weight[t][p] * gout;
+          }
+        }
+      }
+      if constexpr (!std::is_same_v<A, T>)
+        for (int64_t i = 0; i < planes_size; ++i) result[i] = from_acc<T>(acc[i]);
+    }
+  });
+}
+
+// Calls f(std::integral_constant<GridSampleMode, mode>, std::integral_constant<int, dims>).
+template <class F>
+void dispatch_sampler(GridSampleMode mode, int dims, F&& f) {
+  using M = GridSampleMode;
+  if (mode == M::kBilinear && dims == 2) f(std::integral_constant<M, M::kBilinear>{}, std::integral_constant<int, 2>{});
+  if (mode == M::kBilinear && dims == 3) f(std::integral_constant<M, M::kBilinear>{}, std::integral_constant<int, 3>{});
+  if (mode == M::kNearest && dims == 2) f(std::integral_constant<M, M::kNearest>{}, std::integral_constant<int, 2>{});
+  if (mode == M::kNearest && dims == 3) f(std::integral_constant<M, M::kNearest>{}, std::integral_constant<int, 3>{});
+  if (mode == M::kBicubic && dims == 2) f(std::integral_constant<M, M::kBicubic>{}, std::integral_constant<int, 2>{});
+}
+
+DimsView dims_of(const ffi::AnyBuffer& buffer) {
+  return DimsView{buffer.dimensions().begin(), int(buffer.dimensions().size())};
+}
+
+// Decodes and validates a call; every operand and the result must share one element type.
+ffi::Error decode(const char* op, GridSamplePass pass, std::initializer_list<const ffi::AnyBuffer*> operands,
+                  const ffi::AnyBuffer& result, int64_t mode, int64_t padding, bool align_corners,
+                  ffi::Span<const int64_t> batch_maps, GridSampleCall* call) {
+  DimsView dims[3];
+  int count = 0;
+  for (const ffi::AnyBuffer* operand : operands) {
+    if (operand->element_type() != result.element_type())
+      return ffi::Error::InvalidArgument(std::string(op) + ": operands and result differ in element type");
+    dims[count++] = dims_of(*operand);
+  }
+  const std::string problem =
+      make_grid_sample_call(pass, dims, count, dims_of(result), mode, padding, align_corners,
+                            batch_maps.begin(), int64_t(batch_maps.size()), call);
+  if (!problem.empty()) return ffi::Error::InvalidArgument(std::string(op) + ": " + problem);
+  return ffi::Error::Success();
+}
+
+ffi::Error grid_sample_forward(ffi::AnyBuffer input, ffi::AnyBuffer grid,
+                               ffi::Result<ffi::AnyBuffer> out, int64_t mode, int64_t padding,
+                               bool align_corners, ffi::Span<const int64_t> batch_maps) {
+  const char* op = "grid_sample";
+  GridSampleCall call;
+  if (auto error = decode(op, GridSamplePass::kForward, {&input, &grid}, *out, mode, padding,
+                          align_corners, batch_maps, &call);
+      error.failure())
+    return error;
+  const GridSampleGeometry& g = call.geometry;
+  if (g.batch * g.channels * g.points == 0) return ffi::Error::Success();
+  return dispatch_float(input.element_type(), op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
+      forward<T, decltype(mode_c)::value, decltype(dims_c)::value>(
+          call, static_cast<const T*>(input.untyped_data()), static_cast<const T*>(grid.untyped_data()),
+          static_cast<T*>(out->untyped_data()));
+    });
+    return ffi::Error::Success();
+  });
+}
+
+// The scratch result exists for the CUDA deterministic path; on the CPU it is empty.
+ffi::Error grid_sample_backward_input(ffi::AnyBuffer dout, ffi::AnyBuffer grid,
+                                      ffi::Result<ffi::AnyBuffer> d_input,
+                                      ffi::Result<ffi::AnyBuffer> /*scratch*/, int64_t mode,
+                                      int64_t padding, bool align_corners,
+                                      ffi::Span<const int64_t> batch_maps, bool /*deterministic*/) {
+  const char* op = "grid_sample backward d_input";
+  GridSampleCall call;
+  if (auto error = decode(op, GridSamplePass::kBackwardInput, {&dout, &grid}, *d_input, mode,
+                          padding, align_corners, batch_maps, &call);
+      error.failure())
+    return error;
+  const GridSampleGeometry& g = call.geometry;
+  if (g.batch * g.channels == 0) return ffi::Error::Success();
+  return dispatch_float(dout.element_type(), op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
+      backward_input<T, decltype(mode_c)::value, decltype(dims_c)::value>(
+          call, static_cast<const T*>(dout.untyped_data()), static_cast<const T*>(grid.untyped_data()),
+          static_cast<T*>(d_input->untyped_data()));
+    });
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error grid_sample_backward_grid(ffi::AnyBuffer dout, ffi::AnyBuffer input,
+                                     ffi::AnyBuffer grid, ffi::Result<ffi::AnyBuffer> d_grid,
+                                     int64_t mode, int64_t padding, bool align_corners,
+                                     ffi::Span<const int64_t> batch_maps) {
+  const char* op = "grid_sample backward d_grid";
+  GridSampleCall call;
+  if (auto error = decode(op, GridSamplePass::kBackwardGrid, {&dout, &input, &grid}, *d_grid,
+                          mode, padding, align_corners, batch_maps, &call);
+      error.failure())
+    return error;
+  const GridSampleGeometry& g = call.geometry;
+  if (g.batch * g.points == 0) return ffi::Error::Success();
+  return dispatch_float(dout.element_type(), op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
+      backward_grid<T, decltype(mode_c)::value, decltype(dims_c)::value>(
+          call, static_cast<const T*>(dout.untyped_data()), static_cast<const T*>(input.untyped_data()),
+          static_cast<const T*>(grid.untyped_data()), static_cast<T*>(d_grid->untyped_data()));
+    });
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleForwardCpu, grid_sample_forward,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("mode")
+                                  .Attr<int64_t>("padding")
+                                  .Attr<bool>("align_corners")
+                                  .Attr<ffi::Span<const int64_t>>("batch_maps"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleBackwardInputCpu, grid_sample_backward_input,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("mode")
+                                  .Attr<int64_t>("padding")
+                                  .Attr<bool>("align_corners")
+                                  .Attr<ffi::Span<const int64_t>>("batch_maps")
+                                  .Attr<bool>("deterministic"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleBackwardGridCpu, grid_sample_backward_grid,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("mode")
+                                  .Attr<int64_t>("padding")
+                                  .Attr<bool>("align_corners")
+                                  .Attr<ffi::Span<const int64_t>>("batch_maps"));
+
+JK_REGISTER_TARGET("jk_grid_sample_fwd", GridSampleForwardCpu, "grid_sample", "forward",
+                   "cpu tiled gather", "bitwise");
+JK_REGISTER_TARGET("jk_grid_sample_bwd_input", GridSampleBackwardInputCpu, "grid_sample",
+                   "backward d_input", "cpu ordered scatter per channel range", "bitwise");
+JK_REGISTER_TARGET("jk_grid_sample_bwd_grid", GridSampleBackwardGridCpu, "grid_sample",
+                   "backward d_grid", "cpu tiled gather", "bitwise");
+
+}  // namespace jax_kernels

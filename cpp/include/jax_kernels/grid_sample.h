@@ -1,0 +1,421 @@
+// grid_sample math (torch.nn.functional.grid_sample semantics), host and device, used by the CPU
+// and the CUDA kernels alike: coordinate unnormalization, border clipping and reflection with
+// their derivatives, the taps (cell, weight, weight slope) of nearest / linear / cubic sampling
+// along one axis and their product over 2 or 3 axes, the problem geometry, and the batch maps
+// through which vmap folds its axes into the kernels' batch.
+//
+// Conventions: axis 0 is x (input width W), axis 1 is y (H), axis 2 is z (D); the grid holds
+// (x, y[, z]) per output point. All arithmetic is in the accumulation type A (float for the
+// half types). A tap is one input cell that an output point reads; its weight multiplies the
+// cell's value and its slope along axis a is d weight / d grid coordinate a.
+#pragma once
+
+#include <float.h>
+#include <math.h>
+
+#include <cstdint>
+#include <string>
+
+#include "jax_kernels/scalar.h"
+
+// Unrolls a loop with a compile-time trip count under nvcc (host compilers unroll on their own
+// and would warn about the pragma).
+#if defined(__CUDACC__)
+#define JK_UNROLL _Pragma("unroll")
+#else
+#define JK_UNROLL
+#endif
+
+namespace jax_kernels {
+
+// The codes match torch's GridSamplerInterpolation / GridSamplerPadding enums.
+enum class GridSampleMode : int64_t { kBilinear = 0, kNearest = 1, kBicubic = 2 };
+enum class GridSamplePadding : int64_t { kZeros = 0, kBorder = 1, kReflection = 2 };
+
+namespace grid_sample_math {
+
+JK_HD float floor_of(float x) { return floorf(x); }
+JK_HD double floor_of(double x) { return floor(x); }
+// Round half to even (torch's nearbyint under the default rounding mode).
+JK_HD float round_even(float x) { return rintf(x); }
+JK_HD double round_even(double x) { return rint(x); }
+JK_HD float remainder_of(float x, float y) { return fmodf(x, y); }
+JK_HD double remainder_of(double x, double y) { return fmod(x, y); }
+JK_HD bool finite(float x) { return fabsf(x) <= FLT_MAX; }
+JK_HD bool finite(double x) { return fabs(x) <= DBL_MAX; }
+
+}  // namespace grid_sample_math
+
+// d source coordinate / d grid coordinate of the unnormalization: with align_corners, -1 and 1
+// are the centres of the corner cells; without, they are the outer edges of the image.
+template <class A>
+JK_HD A unnormalize_scale(int64_t size, bool align_corners) {
+  return align_corners ? A(size - 1) / A(2) : A(size) / A(2);
+}
+
+template <class A>
+JK_HD A unnormalize(A coord, int64_t size, bool align_corners) {
+  return align_corners ? (coord + A(1)) / A(2) * A(size - 1)
+                       : ((coord + A(1)) * A(size) - A(1)) / A(2);
+}
+
+// Clamps x to [0, size - 1]. The slope is 0 at and beyond either border (torch counts the
+// borders as outside for the gradient). NaN passes through unchanged.
+template <class A>
+JK_HD A clip_coordinate(A x, int64_t size, A* slope) {
+  const A high = A(size - 1);
+  if (x <= A(0)) {
+    *slope = A(0);
+    return A(0);
+  }
+  if (x >= high) {
+    *slope = A(0);
+    return high;
+  }
+  *slope = A(1);
+  return x;
+}
+
+// Reflects x into [twice_low / 2, twice_high / 2] (bounds given doubled so that half-cell
+// bounds stay integers); the slope is +1 or -1 by the parity of the reflections. The parity
+// comes from the floating-point quotient, exact at any magnitude; ±Inf and NaN give NaN.
+template <class A>
+JK_HD A reflect_coordinate(A x, int64_t twice_low, int64_t twice_high, A* slope) {
+  using namespace grid_sample_math;
+  if (twice_low == twice_high) {
+    *slope = A(0);
+    return A(0);
+  }
+  const A low = A(twice_low) / A(2);
+  const A span = A(twice_high - twice_low) / A(2);
+  A distance = x - low;
+  A sign = A(1);
+  if (distance < A(0)) {
+    sign = A(-1);
+    distance = -distance;
+  }
+  const A extra = remainder_of(distance, span);
+  const bool odd = remainder_of(floor_of(distance / span), A(2)) != A(0);
+  *slope = odd ? -sign : sign;
+  return odd ? span - extra + low : extra + low;
+}
+
+// The padding mode applied to a source coordinate x along an axis of `size` cells: border
+// clips, reflection reflects about the edges (align_corners: the corner centres) and then
+// clips. The slope factor is multiplied into *slope.
+template <class A>
+JK_HD A pad_coordinate(A x, int64_t size, GridSamplePadding padding, bool align_corners,
+                       A* slope) {
+  A factor = A(1);
+  if (padding == GridSamplePadding::kBorder) {
+    x = clip_coordinate(x, size, &factor);
+    *slope *= factor;
+  } else if (padding == GridSamplePadding::kReflection) {
+    x = align_corners ? reflect_coordinate(x, 0, 2 * (size - 1), &factor)
+                      : reflect_coordinate(x, -1, 2 * size - 1, &factor);
+    *slope *= factor;
+    x = clip_coordinate(x, size, &factor);
+    *slope *= factor;
+  }
+  return x;
+}
+
+// Keys cubic convolution with A = -0.75 (torch's bicubic): the weights of the four taps at
+// floor(x) - 1 .. floor(x) + 2 for t = x - floor(x), and their derivatives d weight / d t.
+template <class A>
+JK_HD void cubic_weights(A t, A (&w)[4]) {
+  const A a = A(-0.75);
+  const auto inner = [a](A d) { return ((a + A(2)) * d - (a + A(3))) * d * d + A(1); };  // |d| <= 1
+  const auto outer = [a](A d) { return ((a * d - A(5) * a) * d + A(8) * a) * d - A(4) * a; };  // 1 < |d| < 2
+  w[0] = outer(t + A(1));
+  w[1] = inner(t);
+  w[2] = inner(A(1) - t);
+  w[3] = outer(A(2) - t);
+}
+
+template <class A>
+JK_HD void cubic_weight_derivatives(A t, A (&dw)[4]) {
+  const A a = A(-0.75);
+  const auto inner = [a](A d) { return (A(3) * (a + A(2)) * d - A(2) * (a + A(3))) * d; };
+  const auto outer = [a](A d) { return (A(3) * a * d - A(10) * a) * d + A(8) * a; };
+  dw[0] = outer(t + A(1));
+  dw[1] = inner(t);
+  dw[2] = -inner(A(1) - t);
+  dw[3] = -outer(A(2) - t);
+}
+
+template <GridSampleMode kMode>
+constexpr int taps_per_axis() {
+  return kMode == GridSampleMode::kNearest ? 1 : kMode == GridSampleMode::kBilinear ? 2 : 4;
+}
+
+// The taps of one output point along one axis. Invalid taps (outside the input, or every tap
+// of a point whose coordinate is NaN or cannot reach the input) have index 0 and finite weights
+// and slopes: kernels skip them, never read through them.
+template <class A, class Index, int K>
+struct AxisTaps {
+  Index index[K];
+  bool valid[K];
+  A weight[K];
+  A slope[K];
+};
+
+// Nearest and linear sampling pad the unnormalized coordinate first, then pick cells.
+// Cubic sampling picks four cells around the unpadded coordinate and pads each cell index.
+template <GridSampleMode kMode, class A, class Index>
+JK_HD void axis_taps(A coord, int64_t size, GridSamplePadding padding, bool align_corners,
+                     AxisTaps<A, Index, taps_per_axis<kMode>()>* taps) {
+  using namespace grid_sample_math;
+  constexpr int K = taps_per_axis<kMode>();
+  const A extent = A(size);
+  A scale = unnormalize_scale<A>(size, align_corners);
+  if constexpr (kMode == GridSampleMode::kNearest) {
+    const A x = round_even(pad_coordinate(unnormalize(coord, size, align_corners), size, padding,
+                                          align_corners, &scale));
+    taps->valid[0] = x >= A(0) && x < extent && coord == coord;  // NaN samples nothing
+    taps->index[0] = taps->valid[0] ? Index(x) : Index(0);
+    taps->weight[0] = A(1);
+    taps->slope[0] = A(0);
+  } else if constexpr (kMode == GridSampleMode::kBilinear) {
+    A x = pad_coordinate(unnormalize(coord, size, align_corners), size, padding, align_corners,
+                         &scale);
+    // Outside [-1, size) no tap lies in the input; ±Inf lands here too, and NaN is sent here
+    // whatever the padding. The stand-in keeps the weights finite, so that skipped taps cannot
+    // turn a sum into NaN.
+    if (!(x >= A(-1) && x < extent) || coord != coord) x = A(-2);
+    const A x0 = floor_of(x);
+    const A x1 = x0 + A(1);
+    taps->weight[0] = x1 - x;
+    taps->weight[1] = x - x0;
+    taps->slope[0] = -scale;
+    taps->slope[1] = scale;
+    taps->valid[0] = x0 >= A(0) && x0 < extent;
+    taps->valid[1] = x1 >= A(0) && x1 < extent;
+    taps->index[0] = taps->valid[0] ? Index(x0) : Index(0);
+    taps->index[1] = taps->valid[1] ? Index(x1) : Index(0);
+  } else {
+    A x = unnormalize(coord, size, align_corners);
+    // NaN samples nothing; ±Inf with border padding is the edge cell (the limit of large
+    // coordinates); ±Inf with other paddings samples nothing.
+    bool reachable = finite(x);
+    if (!reachable && padding == GridSamplePadding::kBorder && x == x) {
+      x = x > A(0) ? extent + A(2) : A(-3);
+      reachable = true;
+    }
+    if (!reachable) x = A(-5);
+    const A x0 = floor_of(x);
+    const A t = x - x0;
+    cubic_weights(t, taps->weight);
+    cubic_weight_derivatives(t, taps->slope);
+JK_UNROLL
+    for (int i = 0; i < K; ++i) {
+      taps->slope[i] *= scale;
+      A unused_slope = A(1);
+      const A cell = pad_coordinate(x0 + A(i - 1), size, padding, align_corners, &unused_slope);
+      taps->valid[i] = reachable && cell >= A(0) && cell < extent;
+      taps->index[i] = taps->valid[i] ? Index(cell) : Index(0);
+    }
+  }
+}
+
+// What a kernel needs to know about the problem. The batch index m runs over the output's
+// (possibly vmap-folded) batch; operands map it to their own batch through a BatchMap.
+struct GridSampleGeometry {
+  int dims = 2;              // spatial dimensions: 2 (4-D input) or 3 (5-D input)
+  int64_t batch = 0;         // output batch M
+  int64_t channels = 0;      // C
+  int64_t size[3] = {1, 1, 1};  // input extent along x, y, z (W, H, D)
+  int64_t cells = 0;         // D * H * W: input cells per channel
+  int64_t points = 0;        // Do * Ho * Wo: output points per channel
+  GridSamplePadding padding = GridSamplePadding::kZeros;
+  bool align_corners = false;
+};
+
+// Which operand batch row feeds output batch m. vmap folds its axis into the leading (batch)
+// axis; an operand that was not batched is reused across the new axis instead of copied. With
+// m = ((o * repeat) + r) * chunk + k, the operand row is o * chunk + k: it holds `chunk` rows
+// per block, each block reused `repeat` times. repeat == 1 is the identity.
+struct BatchMap {
+  int64_t repeat = 1;
+  int64_t chunk = 1;
+
+  JK_HD int64_t operator()(int64_t m) const {
+    if (repeat == 1) return m;
+    return (m / (repeat * chunk)) * chunk + m % chunk;
+  }
+};
+
+// The product of the per-axis taps of one output point: tap t = (k * K + j) * K + i reads cell
+// (z_k, y_j, x_i), i.e. offset (z_k * H + y_j) * W + x_i within a channel plane. The order is
+// torch's (north-west, north-east, south-west, south-east, then the far plane).
+template <class A, class Index, GridSampleMode kMode, int kDims>
+struct PointTaps {
+  static constexpr int kPerAxis = taps_per_axis<kMode>();
+  static constexpr int kCount = kDims == 2 ? kPerAxis * kPerAxis : kPerAxis * kPerAxis * kPerAxis;
+  Index offset[kCount];
+  bool valid[kCount];
+  A weight[kCount];
+  A slope[kDims][kCount];  // filled only when asked for (the grid gradient)
+
+  template <bool kSlopes>
+  JK_HD void compute(const GridSampleGeometry& g, const A (&coord)[kDims]) {
+    constexpr int K = kPerAxis;
+    AxisTaps<A, Index, K> axis[kDims];
+JK_UNROLL
+    for (int d = 0; d < kDims; ++d)
+      axis_taps<kMode, A, Index>(coord[d], g.size[d], g.padding, g.align_corners, &axis[d]);
+    const Index width = Index(g.size[0]);
+    const Index height = Index(g.size[1]);
+JK_UNROLL
+    for (int t = 0; t < kCount; ++t) {
+      const int i = t % K;
+      const int j = (t / K) % K;
+      Index row = axis[1].index[j];
+      bool ok = axis[0].valid[i] && axis[1].valid[j];
+      A wy = axis[1].weight[j];
+      A wz = A(1);
+      int k = 0;
+      if constexpr (kDims == 3) {
+        k = t / (K * K);
+        row += axis[2].index[k] * height;
+        ok = ok && axis[2].valid[k];
+        wz = axis[2].weight[k];
+      }
+      offset[t] = row * width + axis[0].index[i];
+      valid[t] = ok;
+      const A wx = axis[0].weight[i];
+      weight[t] = wx * wy * wz;
+      if constexpr (kSlopes) {
+        slope[0][t] = axis[0].slope[i] * wy * wz;
+        slope[1][t] = wx * axis[1].slope[j] * wz;
+        if constexpr (kDims == 3) slope[2][t] = wx * wy * axis[2].slope[k];
+      }
+    }
+  }
+};
+
+// Fills the geometry from the cells' shape `sampled` [S, C, (D,) H, W] (the input or the
+// d_input result), the grid's shape [S_g, (Do,) Ho, Wo, dims] and the output batch M.
+inline std::string make_grid_sample_geometry(const int64_t* sampled, int sampled_rank,
+                                             const int64_t* grid, int grid_rank, int64_t batch,
+                                             GridSamplePadding padding, bool align_corners,
+                                             GridSampleGeometry* geometry) {
+  GridSampleGeometry g;
+  if (sampled_rank != 4 && sampled_rank != 5) return "input must be 4-D or 5-D";
+  g.dims = sampled_rank - 2;
+  if (grid_rank != sampled_rank) return "grid rank differs from the input's";
+  if (grid[grid_rank - 1] != g.dims) return "grid's last dimension must equal the spatial rank";
+  if (batch < 0) return "result has no batch dimension";
+  if (padding != GridSamplePadding::kZeros && padding != GridSamplePadding::kBorder &&
+      padding != GridSamplePadding::kReflection)
+    return "unknown padding mode";
+  g.batch = batch;
+  g.channels = sampled[1];
+  g.cells = 1;
+  g.points = 1;
+  for (int d = 0; d < g.dims; ++d) {
+    g.size[d] = sampled[sampled_rank - 1 - d];
+    if (g.size[d] <= 0) return "input has an empty spatial dimension";
+    g.cells *= g.size[d];
+    g.points *= grid[grid_rank - 2 - d];
+  }
+  g.padding = padding;
+  g.align_corners = align_corners;
+  *geometry = g;
+  return "";
+}
+
+// Whether an operand with `rows` batch rows fits `map` for output batch `batch`.
+inline bool batch_map_fits(const BatchMap& map, int64_t rows, int64_t batch) {
+  if (map.repeat < 1 || map.chunk < 1 || rows % map.chunk != 0) return false;
+  return (rows / map.chunk) * map.repeat * map.chunk == batch;
+}
+
+// The three passes, one FFI target each. Operands, in order, and result:
+//   kForward:        input [S, C, (D,) H, W], grid [S_g, (Do,) Ho, Wo, dims] -> out [M, C, (Do,) Ho, Wo]
+//   kBackwardInput:  dout [S_d, C, (Do,) Ho, Wo], grid                      -> d_input [M, C, (D,) H, W]
+//   kBackwardGrid:   dout, input, grid                                      -> d_grid [M, (Do,) Ho, Wo, dims]
+// Each operand's batch S maps onto the output batch M through its BatchMap (attribute
+// `batch_maps`: repeat, chunk per operand, in operand order).
+enum class GridSamplePass { kForward, kBackwardInput, kBackwardGrid };
+
+struct GridSampleCall {
+  GridSampleGeometry geometry;
+  GridSampleMode mode = GridSampleMode::kBilinear;
+  BatchMap input_map, grid_map, dout_map;  // those of the pass's operands
+};
+
+struct DimsView {
+  const int64_t* data;
+  int rank;
+  int64_t operator[](int i) const { return data[i]; }
+};
+
+// Validates the operands, result and attributes of a call and decodes them. Returns "" on
+// success, else what is wrong.
+inline std::string make_grid_sample_call(GridSamplePass pass, const DimsView* operands,
+                                         int operand_count, DimsView result, int64_t mode,
+                                         int64_t padding, bool align_corners,
+                                         const int64_t* batch_maps, int64_t batch_map_count,
+                                         GridSampleCall* call) {
+  const int expected_operands = pass == GridSamplePass::kBackwardGrid ? 3 : 2;
+  if (operand_count != expected_operands) return "wrong operand count";
+  if (batch_map_count != 2 * operand_count) return "batch_maps must hold (repeat, chunk) per operand";
+  GridSampleCall c;
+  if (mode != int64_t(GridSampleMode::kBilinear) && mode != int64_t(GridSampleMode::kNearest) &&
+      mode != int64_t(GridSampleMode::kBicubic))
+    return "unknown interpolation mode";
+  c.mode = GridSampleMode(mode);
+  const DimsView grid = operands[operand_count - 1];
+  const DimsView* dout = pass == GridSamplePass::kForward ? nullptr : &operands[0];
+  // The cells' shape: the input, or the d_input result.
+  const DimsView sampled = pass == GridSamplePass::kForward         ? operands[0]
+                           : pass == GridSamplePass::kBackwardInput ? result
+                                                                     : operands[1];
+  const int64_t batch = result.rank > 0 ? result[0] : -1;
+  const std::string problem =
+      make_grid_sample_geometry(sampled.data, sampled.rank, grid.data, grid.rank, batch,
+                                GridSamplePadding(padding), align_corners, &c.geometry);
+  if (!problem.empty()) return problem;
+  const GridSampleGeometry& g = c.geometry;
+  if (c.mode == GridSampleMode::kBicubic && g.dims != 2) return "bicubic needs a 4-D input";
+  // Output points' shape [Ho, Wo] (or [Do, Ho, Wo]) as in the grid.
+  const auto same_points = [&](const DimsView& v, int first) {
+    for (int d = 0; d < g.dims; ++d)
+      if (v[first + d] != grid[1 + d]) return false;
+    return true;
+  };
+  const int rank = g.dims + 2;
+  if (result.rank != rank) return "result rank is wrong";
+  if (pass == GridSamplePass::kForward && (result[1] != g.channels || !same_points(result, 2)))
+    return "output shape does not match input and grid";
+  if (pass == GridSamplePass::kBackwardGrid && (!same_points(result, 1) || result[rank - 1] != g.dims))
+    return "d_grid shape does not match the grid";
+  if (dout != nullptr && (dout->rank != rank || (*dout)[1] != g.channels || !same_points(*dout, 2)))
+    return "dout shape does not match input and grid";
+  BatchMap maps[3];
+  for (int k = 0; k < operand_count; ++k) {
+    maps[k] = BatchMap{batch_maps[2 * k], batch_maps[2 * k + 1]};
+    if (!batch_map_fits(maps[k], operands[k][0], batch))
+      return "batch_maps do not fit the operands' batch dimensions";
+  }
+  switch (pass) {
+    case GridSamplePass::kForward:
+      c.input_map = maps[0];
+      c.grid_map = maps[1];
+      break;
+    case GridSamplePass::kBackwardInput:
+      c.dout_map = maps[0];
+      c.grid_map = maps[1];
+      break;
+    case GridSamplePass::kBackwardGrid:
+      c.dout_map = maps[0];
+      c.input_map = maps[1];
+      c.grid_map = maps[2];
+      break;
+  }
+  *call = c;
+  return "";
+}
+
+}  // namespace jax_kernels
