@@ -36,10 +36,12 @@ struct TileTaps {
   bool valid[kCount][kTile];
   A weight[kCount][kTile];
   A slope[kDims][kCount][kTile];
+  bool all_valid;  // every tap of the tile lies inside the input (the common interior case)
 
   // Taps of `count` points whose coordinates start at `grid`.
   template <bool kSlopes, class T>
   void compute(const GridSampleGeometry& g, const T* grid, int64_t count) {
+    all_valid = true;
     for (int64_t p = 0; p < count; ++p) {
       A coord[kDims];
       for (int d = 0; d < kDims; ++d) coord[d] = to_acc(grid[p * kDims + d]);
@@ -48,21 +50,23 @@ struct TileTaps {
       for (int t = 0; t < kCount; ++t) {
         offset[t][p] = taps.offset[t];
         valid[t][p] = taps.valid[t];
+        all_valid = all_valid && taps.valid[t];
         weight[t][p] = taps.weight[t];
         if constexpr (kSlopes)
           for (int d = 0; d < kDims; ++d) slope[d][t][p] = taps.slope[d][t];
       }
     }
   }
-};
 
-// A skipped tap reads cell 0 (always in bounds: offsets of skipped taps are 0) and counts as
-// zero, whatever that cell holds.
-template <class T, class A>
-A tap_value(const T* plane, bool valid, int64_t offset) {
-  const A v = to_acc(plane[offset]);
-  return valid ? v : A(0);
-}
+  // The value tap t of point p reads from a channel plane. A skipped tap reads cell 0 (always
+  // in bounds: skipped taps have offset 0) and counts as zero, whatever that cell holds.
+  template <bool kChecked, class T>
+  A value(const T* plane, int t, int64_t p) const {
+    const A v = to_acc(plane[offset[t][p]]);
+    if constexpr (kChecked) return valid[t][p] ? v : A(0);
+    return v;
+  }
+};
 
 int64_t thread_count() {
 #if defined(_OPENMP)
@@ -76,6 +80,25 @@ int64_t thread_count() {
 int64_t tiles_per_row(const GridSampleGeometry& g) { return (g.points + kTile - 1) / kTile; }
 int64_t tile_grain(const GridSampleGeometry& g, int taps) {
   return std::max<int64_t>(1, (int64_t{1} << 16) / (kTile * std::max<int64_t>(g.channels, 1) * taps));
+}
+
+// Calls body(c, std::integral_constant<int, B>) for channel blocks [c, c + B) covering
+// [0, channels): blocks of 4 share each tap's offset and weight loads, then single channels.
+template <class Body>
+void for_channel_blocks(int64_t channels, Body&& body) {
+  int64_t c = 0;
+  for (; c + 4 <= channels; c += 4) body(c, std::integral_constant<int, 4>{});
+  for (; c < channels; ++c) body(c, std::integral_constant<int, 1>{});
+}
+
+// Calls body(std::bool_constant<checked>) with checked false when no tap needs a bounds check.
+template <class Body>
+void with_checks(bool all_valid, Body&& body) {
+  if (all_valid) {
+    body(std::false_type{});
+  } else {
+    body(std::true_type{});
+  }
 }
 
 template <class T, GridSampleMode kMode, int kDims>
@@ -93,16 +116,20 @@ void forward(const GridSampleCall& call, const T* input, const T* grid, T* out) 
       taps->template compute<false>(g, grid + (call.grid_map(m) * g.points + p0) * kDims, count);
       const T* in = input + call.input_map(m) * g.channels * g.cells;
       T* o = out + m * g.channels * g.points + p0;
-      for (int64_t c = 0; c < g.channels; ++c) {
-        const T* plane = in + c * g.cells;
-        T* row = o + c * g.points;
-        for (int64_t p = 0; p < count; ++p) {
-          A sum = A(0);
-          for (int t = 0; t < Tile::kCount; ++t)
-            sum += taps->weight[t][p] * tap_value<T, A>(plane, taps->valid[t][p], taps->offset[t][p]);
-          row[p] = from_acc<T>(sum);
-        }
-      }
+      with_checks(taps->all_valid, [&](auto checked) {
+        for_channel_blocks(g.channels, [&](int64_t c, auto block) {
+          constexpr int B = decltype(block)::value;
+          for (int64_t p = 0; p < count; ++p) {
+            A sum[B] = {};
+            for (int t = 0; t < Tile::kCount; ++t) {
+              const A w = taps->weight[t][p];
+              for (int b = 0; b < B; ++b)
+                sum[b] += w * taps->template value<decltype(checked)::value>(in + (c + b) * g.cells, t, p);
+            }
+            for (int b = 0; b < B; ++b) o[(c + b) * g.points + p] = from_acc<T>(sum[b]);
+          }
+        });
+      });
     }
   });
 }
@@ -125,19 +152,25 @@ void backward_grid(const GridSampleCall& call, const T* dout, const T* input, co
       std::fill(sums.begin(), sums.end(), A(0));
       const T* in = input + call.input_map(m) * g.channels * g.cells;
       const T* d = dout + call.dout_map(m) * g.channels * g.points + p0;
-      for (int64_t c = 0; c < g.channels; ++c) {
-        const T* plane = in + c * g.cells;
-        const T* d_row = d + c * g.points;
-        for (int64_t p = 0; p < count; ++p) {
-          A along[kDims] = {};
-          for (int t = 0; t < Tile::kCount; ++t) {
-            const A v = tap_value<T, A>(plane, taps->valid[t][p], taps->offset[t][p]);
-            for (int a = 0; a < kDims; ++a) along[a] += v * taps->slope[a][t][p];
+      with_checks(taps->all_valid, [&](auto checked) {
+        for_channel_blocks(g.channels, [&](int64_t c, auto block) {
+          constexpr int B = decltype(block)::value;
+          for (int64_t p = 0; p < count; ++p) {
+            A along[B][kDims] = {};
+            for (int t = 0; t < Tile::kCount; ++t) {
+              for (int b = 0; b < B; ++b) {
+                const A v = taps->template value<decltype(checked)::value>(in + (c + b) * g.cells, t, p);
+                for (int a = 0; a < kDims; ++a) along[b][a] += v * taps->slope[a][t][p];
+              }
+            }
+            // Channels are added in order, as the block-free loop would.
+            for (int b = 0; b < B; ++b) {
+              const A gout = to_acc(d[(c + b) * g.points + p]);
+              for (int a = 0; a < kDims; ++a) sums[a * kTile + p] += gout * along[b][a];
+            }
           }
-          const A gout = to_acc(d_row[p]);
-          for (int a = 0; a < kDims; ++a) sums[a * kTile + p] += gout * along[a];
-        }
-      }
+        });
+      });
       T* result = d_grid + (m * g.points + p0) * kDims;
       for (int64_t p = 0; p < count; ++p)
         for (int a = 0; a < kDims; ++a) result[p * kDims + a] = from_acc<T>(sums[a * kTile + p]);
@@ -178,15 +211,21 @@ void backward_input(const GridSampleCall& call, const T* dout, const T* grid, T*
         const int64_t p0 = tile * kTile;
         const int64_t count = std::min(kTile, g.points - p0);
         taps->template compute<false>(g, grid_row + p0 * kDims, count);
-        for (int64_t c = c0; c < c1; ++c) {
-          A* plane = acc + (c - c0) * g.cells;
-          const T* d_row = d + c * g.points + p0;
-          for (int64_t p = 0; p < count; ++p) {
-            const A gout = to_acc(d_row[p]);
-            for (int t = 0; t < Tile::kCount; ++t)
-              if (taps->valid[t][p]) plane[taps->offset[t][p]] += taps->weight[t][p] * gout;
-          }
-        }
+        with_checks(taps->all_valid, [&](auto checked) {
+          for_channel_blocks(c1 - c0, [&](int64_t c, auto block) {
+            constexpr int B = decltype(block)::value;
+            for (int64_t p = 0; p < count; ++p) {
+              A gout[B];
+              for (int b = 0; b < B; ++b) gout[b] = to_acc(d[(c0 + c + b) * g.points + p0 + p]);
+              for (int t = 0; t < Tile::kCount; ++t) {
+                if (decltype(checked)::value && !taps->valid[t][p]) continue;
+                const int64_t offset = taps->offset[t][p];
+                const A w = taps->weight[t][p];
+                for (int b = 0; b < B; ++b) acc[(c + b) * g.cells + offset] += w * gout[b];
+              }
+            }
+          });
+        });
       }
       if constexpr (!std::is_same_v<A, T>)
         for (int64_t i = 0; i < planes_size; ++i) result[i] = from_acc<T>(acc[i]);

@@ -1,0 +1,658 @@
+// CUDA FFI handlers of grid_sample: the forward, the backward for d_input and the backward for
+// d_grid (torch.nn.functional.grid_sample semantics; the math is in grid_sample.h).
+//
+// Forward and d_grid: one thread per output point computes its taps once, in registers, and
+// loops over channels (split into a few channel slices per point when there are too few points
+// to fill the GPU; d_grid adds the slices in a fixed order through shared memory).
+//
+// d_input, deterministic (the default, and always for the half types): the scatter becomes a
+// gather. Every (point, tap) pair is an entry keyed by the input cell it touches; a stable
+// radix sort (CUB) groups the entries by cell, once per call and independent of the channel
+// count; then one thread per (cell, group of channels) adds its entries' weight * dout in
+// sorted order. Stable sort + fixed entry order = fixed summation order: bitwise reproducible,
+// with no floating-point atomics. Keys, values, weights, segment bounds and CUB's temporary
+// storage live in a scratch buffer that XLA provides, sized at trace time by the host query
+// "grid_sample_bwd_input_scratch".
+//
+// d_input with deterministic=False (float32/float64): atomicAdd of each tap's contribution.
+#include <cub/device/device_radix_sort.cuh>
+
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "jax_kernels/cuda_util.h"
+#include "jax_kernels/ffi_util.h"
+#include "jax_kernels/grid_sample.h"
+
+namespace jax_kernels {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxSlices = 8;
+
+// ---- launch shapes ----------------------------------------------------------------------------
+
+// Blocks of kThreads = (points per block) x (channel slices). More slices when the points
+// alone would leave the GPU idle; a slice takes channels slice, slice + slices, ...
+struct PointLaunch {
+  dim3 grid;
+  dim3 block;
+};
+
+PointLaunch launch_over_points(int64_t points, int64_t channels) {
+  const int64_t resident = int64_t(multiprocessor_count()) * 2048;
+  int slices = 1;
+  while (slices < kMaxSlices && 2 * slices <= channels && points * slices < 2 * resident) slices *= 2;
+  const int per_block = kThreads / slices;
+  return PointLaunch{dim3(grid_blocks(points, per_block)), dim3(per_block, slices)};
+}
+
+template <class A, class Index, int kDims, class T>
+__device__ __forceinline__ void load_coordinates(const T* __restrict__ grid, Index row, Index p,
+                                                 Index points, A (&coord)[kDims]) {
+  const T* at = grid + (row * points + p) * kDims;
+  JK_UNROLL
+  for (int d = 0; d < kDims; ++d) coord[d] = to_acc(at[d]);
+}
+
+// A skipped tap never reads memory and counts as zero.
+template <class A, class T, class Taps>
+__device__ __forceinline__ A tap_value(const T* __restrict__ plane, const Taps& taps, int t) {
+  return taps.valid[t] ? to_acc(plane[taps.offset[t]]) : A(0);
+}
+
+// ---- forward --------------------------------------------------------------------------------
+
+template <class T, class Index, GridSampleMode kMode, int kDims>
+__global__ void __launch_bounds__(kThreads)
+    forward_kernel(const T* __restrict__ input, const T* __restrict__ grid, T* __restrict__ out,
+                   GridSampleCall call) {
+  using A = acc_t<T>;
+  using Taps = PointTaps<A, Index, kMode, kDims>;
+  const GridSampleGeometry& g = call.geometry;
+  const Index points = Index(g.points), channels = Index(g.channels), cells = Index(g.cells);
+  const Index total = Index(g.batch) * points;
+  const Index stride = Index(gridDim.x) * blockDim.x;
+  for (Index q = Index(blockIdx.x) * blockDim.x + threadIdx.x; q < total; q += stride) {
+    const Index m = q / points;
+    const Index p = q - m * points;
+    A coord[kDims];
+    load_coordinates<A, Index, kDims>(grid, Index(call.grid_map(m)), p, points, coord);
+    Taps taps;
+    taps.template compute<false>(g, coord);
+    const T* in = input + Index(call.input_map(m)) * channels * cells;
+    T* o = out + m * channels * points + p;
+#pragma unroll 4
+    for (Index c = threadIdx.y; c < channels; c += blockDim.y) {
+      const T* plane = in + c * cells;
+      A sum = A(0);
+      JK_UNROLL
+      for (int t = 0; t < Taps::kCount; ++t) sum += taps.weight[t] * tap_value<A>(plane, taps, t);
+      o[c * points] = from_acc<T>(sum);
+    }
+  }
+}
+
+// ---- backward d_grid ------------------------------------------------------------------------
+
+template <class T, class Index, GridSampleMode kMode, int kDims>
+__global__ void __launch_bounds__(kThreads)
+    backward_grid_kernel(const T* __restrict__ dout, const T* __restrict__ input,
+                         const T* __restrict__ grid, T* __restrict__ d_grid, GridSampleCall call) {
+  using A = acc_t<T>;
+  using Taps = PointTaps<A, Index, kMode, kDims>;
+  __shared__ A partial[kThreads * kDims];  // [slice][point in block][axis]
+  const GridSampleGeometry& g = call.geometry;
+  const Index points = Index(g.points), channels = Index(g.channels), cells = Index(g.cells);
+  const Index total = Index(g.batch) * points;
+  const Index per_block = blockDim.x;
+  // Block-uniform loop: every thread reaches the barriers.
+  for (Index base = Index(blockIdx.x) * per_block; base < total; base += Index(gridDim.x) * per_block) {
+    const Index q = base + threadIdx.x;
+    const bool active = q < total;
+    A sums[kDims] = {};
+    if (active) {
+      const Index m = q / points;
+      const Index p = q - m * points;
+      A coord[kDims];
+      load_coordinates<A, Index, kDims>(grid, Index(call.grid_map(m)), p, points, coord);
+      Taps taps;
+      taps.template compute<true>(g, coord);
+      const T* in = input + Index(call.input_map(m)) * channels * cells;
+      const T* d = dout + Index(call.dout_map(m)) * channels * points + p;
+#pragma unroll 2
+      for (Index c = threadIdx.y; c < channels; c += blockDim.y) {
+        const T* plane = in + c * cells;
+        A along[kDims] = {};
+        JK_UNROLL
+        for (int t = 0; t < Taps::kCount; ++t) {
+          const A v = tap_value<A>(plane, taps, t);
+          JK_UNROLL
+          for (int a = 0; a < kDims; ++a) along[a] += v * taps.slope[a][t];
+        }
+        const A gout = to_acc(d[c * points]);
+        JK_UNROLL
+        for (int a = 0; a < kDims; ++a) sums[a] += gout * along[a];
+      }
+    }
+    if (blockDim.y == 1) {
+      if (active)
+        for (int a = 0; a < kDims; ++a) d_grid[q * kDims + a] = from_acc<T>(sums[a]);
+      continue;
+    }
+    for (int a = 0; a < kDims; ++a) partial[(threadIdx.y * blockDim.x + threadIdx.x) * kDims + a] = sums[a];
+    __syncthreads();
+    if (threadIdx.y == 0 && active) {
+      for (int a = 0; a < kDims; ++a) {
+        A sum = partial[threadIdx.x * kDims + a];
+        for (unsigned s = 1; s < blockDim.y; ++s) sum += partial[(s * blockDim.x + threadIdx.x) * kDims + a];
+        d_grid[q * kDims + a] = from_acc<T>(sum);
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// ---- backward d_input with atomics ----------------------------------------------------------
+
+template <class T, class Index, GridSampleMode kMode, int kDims>
+__global__ void __launch_bounds__(kThreads)
+    backward_input_atomic_kernel(const T* __restrict__ dout, const T* __restrict__ grid,
+                                 T* __restrict__ d_input, GridSampleCall call) {
+  using A = acc_t<T>;
+  static_assert(std::is_same_v<A, T>, "atomics only for float32 and float64");
+  using Taps = PointTaps<A, Index, kMode, kDims>;
+  const GridSampleGeometry& g = call.geometry;
+  const Index points = Index(g.points), channels = Index(g.channels), cells = Index(g.cells);
+  const Index total = Index(g.batch) * points;
+  const Index stride = Index(gridDim.x) * blockDim.x;
+  for (Index q = Index(blockIdx.x) * blockDim.x + threadIdx.x; q < total; q += stride) {
+    const Index m = q / points;
+    const Index p = q - m * points;
+    A coord[kDims];
+    load_coordinates<A, Index, kDims>(grid, Index(call.grid_map(m)), p, points, coord);
+    Taps taps;
+    taps.template compute<false>(g, coord);
+    const T* d = dout + Index(call.dout_map(m)) * channels * points + p;
+    T* result = d_input + m * channels * cells;
+    for (Index c = threadIdx.y; c < channels; c += blockDim.y) {
+      const A gout = d[c * points];
+      T* plane = result + c * cells;
+      JK_UNROLL
+      for (int t = 0; t < Taps::kCount; ++t)
+        if (taps.valid[t]) atomicAdd(plane + taps.offset[t], taps.weight[t] * gout);
+    }
+  }
+}
+
+// ---- backward d_input, deterministic: sort entries by cell, then gather -------------------------
+
+// Where the sorted path keeps its arrays in the scratch buffer. Entries are (tap, point) pairs,
+// tap-major: entry e = t * total_points + q. Keys are cells m * cells + offset, or the sentinel
+// batch * cells for a tap outside the input. Narrow problems use 32-bit keys and indices.
+struct SortedLayout {
+  bool narrow = true;
+  int key_bytes = 4;
+  int64_t entries = 0;
+  int64_t sentinel = 0;
+  int end_bit = 0;
+  size_t keys[2], values[2], weights, sorted_weights, starts, ends, cub_temp, cub_temp_bytes;
+  size_t total = 0;  // bytes, including slack to align the base
+};
+
+constexpr size_t kAlign = 256;
+
+size_t align_up(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+int bit_width(uint64_t v) {
+  int bits = 0;
+  while (v != 0) {
+    ++bits;
+    v >>= 1;
+  }
+  return bits;
+}
+
+// An upper bound of the temporary storage of cub::DeviceRadixSort::SortPairs with DoubleBuffers
+// (the onesweep algorithm, which CUB uses for 32- and 64-bit keys from sm_60 on): per-pass
+// digit counts per portion, look-back state per tile and counters. The bound assumes tiles of
+// at least 512 items, at most 256 digits and at least 4 bits per pass, all well below what
+// CUB's policies use. It lets the query run on a machine without a GPU; the handler checks it
+// against CUB's own figure before sorting.
+size_t cub_temp_bound(int64_t items, int end_bit) {
+  const int64_t portion = int64_t{1} << 27;
+  const int64_t portions = (items + portion - 1) / portion;
+  const int64_t passes = (end_bit + 3) / 4;
+  const int64_t tiles = (std::min<int64_t>(items, int64_t{1} << 28) + 511) / 512;
+  return align_up(size_t(portions * passes * 256 * 8)) + align_up(size_t(tiles * 256 * 4)) +
+         align_up(size_t(portions * passes * 4)) + 8 * kAlign;
+}
+
+SortedLayout sorted_layout(int64_t batch, int64_t points, int64_t taps, int64_t cells, int acc_bytes) {
+  SortedLayout l;
+  l.entries = batch * points * taps;
+  l.sentinel = batch * cells;
+  l.narrow = l.entries < (int64_t{1} << 31) && l.sentinel < (int64_t{1} << 31);
+  l.key_bytes = l.narrow ? 4 : 8;
+  l.end_bit = bit_width(uint64_t(l.sentinel));
+  size_t at = 0;
+  const auto take = [&](size_t bytes) {
+    const size_t offset = at;
+    at += align_up(bytes);
+    return offset;
+  };
+  const size_t entry_keys = size_t(l.entries) * l.key_bytes;
+  l.keys[0] = take(entry_keys);
+  l.keys[1] = take(entry_keys);
+  l.values[0] = take(entry_keys);
+  l.values[1] = take(entry_keys);
+  l.weights = take(size_t(l.entries) * acc_bytes);
+  l.sorted_weights = take(size_t(l.entries) * acc_bytes);
+  l.starts = take(size_t(l.sentinel) * l.key_bytes);
+  l.ends = take(size_t(l.sentinel) * l.key_bytes);
+  l.cub_temp_bytes = cub_temp_bound(l.entries, l.end_bit);
+  l.cub_temp = take(l.cub_temp_bytes);
+  l.total = at + kAlign;
+  return l;
+}
+
+// Host query: (batch, points, taps, cells, element bytes, deterministic) -> scratch bytes of
+// the d_input pass. Half types and deterministic=True take the sorted path.
+int64_t backward_input_scratch_query(const std::vector<int64_t>& a) {
+  if (a.size() != 6) return -1;
+  const int64_t batch = a[0], points = a[1], taps = a[2], cells = a[3], element_bytes = a[4];
+  const bool deterministic = a[5] != 0;
+  if (!(deterministic || element_bytes == 2)) return 0;
+  if (batch * points * taps == 0 || cells == 0) return 0;
+  return int64_t(sorted_layout(batch, points, taps, cells, element_bytes == 8 ? 8 : 4).total);
+}
+
+template <class T, class Key, class Index, GridSampleMode kMode, int kDims>
+__global__ void __launch_bounds__(kThreads)
+    build_entries_kernel(const T* __restrict__ grid, Key* __restrict__ keys,
+                         Key* __restrict__ values, acc_t<T>* __restrict__ weights,
+                         GridSampleCall call, Key sentinel) {
+  using A = acc_t<T>;
+  using Taps = PointTaps<A, Index, kMode, kDims>;
+  const GridSampleGeometry& g = call.geometry;
+  const Index points = Index(g.points), cells = Index(g.cells);
+  const Index total = Index(g.batch) * points;
+  const Index stride = Index(gridDim.x) * blockDim.x;
+  for (Index q = Index(blockIdx.x) * blockDim.x + threadIdx.x; q < total; q += stride) {
+    const Index m = q / points;
+    const Index p = q - m * points;
+    A coord[kDims];
+    load_coordinates<A, Index, kDims>(grid, Index(call.grid_map(m)), p, points, coord);
+    Taps taps;
+    taps.template compute<false>(g, coord);
+    JK_UNROLL
+    for (int t = 0; t < Taps::kCount; ++t) {
+      const Index e = Index(t) * total + q;
+      keys[e] = taps.valid[t] ? Key(m * cells + taps.offset[t]) : sentinel;
+      values[e] = Key(e);
+      weights[e] = taps.weight[t];
+    }
+  }
+}
+
+// Marks the segment [start, end) of each cell in the sorted keys, and lays out the entries'
+// points (within their batch row) and weights in sorted order for the gather. Cells without
+// entries keep start = end = 0.
+template <class A, class Key>
+__global__ void __launch_bounds__(kThreads)
+    segment_kernel(const Key* __restrict__ keys, const Key* __restrict__ values,
+                   const A* __restrict__ weights, Key* __restrict__ starts, Key* __restrict__ ends,
+                   Key* __restrict__ sorted_points, A* __restrict__ sorted_weights, Key entries,
+                   Key total_points, Key points, Key sentinel) {
+  const Key stride = Key(gridDim.x) * blockDim.x;
+  for (Key i = Key(blockIdx.x) * blockDim.x + threadIdx.x; i < entries; i += stride) {
+    const Key key = keys[i];
+    if (key == sentinel) continue;  // out-of-input taps sort last
+    if (i == 0 || keys[i - 1] != key) starts[key] = i;
+    if (i + 1 == entries || keys[i + 1] != key) ends[key] = i + 1;
+    const Key e = values[i];
+    sorted_points[i] = e % total_points % points;
+    sorted_weights[i] = weights[e];
+  }
+}
+
+// One thread per (cell, group of kGroup channels): walks the cell's entries in sorted order.
+template <class T, class Key, class Index, int kGroup>
+__global__ void __launch_bounds__(kThreads)
+    gather_kernel(const T* __restrict__ dout, const Key* __restrict__ starts,
+                  const Key* __restrict__ ends, const Key* __restrict__ sorted_points,
+                  const acc_t<T>* __restrict__ sorted_weights, T* __restrict__ d_input,
+                  GridSampleCall call) {
+  using A = acc_t<T>;
+  const GridSampleGeometry& g = call.geometry;
+  const Index points = Index(g.points), channels = Index(g.channels), cells = Index(g.cells);
+  const Index total = Index(g.batch) * cells;
+  const Index stride = Index(gridDim.x) * blockDim.x;
+  for (Index k = Index(blockIdx.x) * blockDim.x + threadIdx.x; k < total; k += stride) {
+    const Index m = k / cells;
+    const Index cell = k - m * cells;
+    const Index begin = Index(starts[k]);
+    const Index end = Index(ends[k]);
+    const T* d = dout + Index(call.dout_map(m)) * channels * points;
+    T* result = d_input + m * channels * cells + cell;
+    for (Index c0 = Index(blockIdx.y) * kGroup; c0 < channels; c0 += Index(gridDim.y) * kGroup) {
+      A sum[kGroup] = {};
+      for (Index i = begin; i < end; ++i) {
+        const T* row = d + c0 * points + Index(sorted_points[i]);
+        const A w = sorted_weights[i];
+        JK_UNROLL
+        for (int j = 0; j < kGroup; ++j)
+          if (c0 + j < channels) sum[j] += w * to_acc(row[j * points]);
+      }
+      JK_UNROLL
+      for (int j = 0; j < kGroup; ++j)
+        if (c0 + j < channels) result[(c0 + j) * cells] = from_acc<T>(sum[j]);
+    }
+  }
+}
+
+// ---- dispatch -------------------------------------------------------------------------------
+
+// Calls f(std::integral_constant<GridSampleMode, mode>, std::integral_constant<int, dims>).
+template <class F>
+void dispatch_sampler(GridSampleMode mode, int dims, F&& f) {
+  using M = GridSampleMode;
+  if (mode == M::kBilinear && dims == 2) f(std::integral_constant<M, M::kBilinear>{}, std::integral_constant<int, 2>{});
+  if (mode == M::kBilinear && dims == 3) f(std::integral_constant<M, M::kBilinear>{}, std::integral_constant<int, 3>{});
+  if (mode == M::kNearest && dims == 2) f(std::integral_constant<M, M::kNearest>{}, std::integral_constant<int, 2>{});
+  if (mode == M::kNearest && dims == 3) f(std::integral_constant<M, M::kNearest>{}, std::integral_constant<int, 3>{});
+  if (mode == M::kBicubic && dims == 2) f(std::integral_constant<M, M::kBicubic>{}, std::integral_constant<int, 2>{});
+}
+
+// Whether every index the kernels form fits in 32 bits for these operand batch sizes.
+bool fits_32_bits(const GridSampleCall& call, std::initializer_list<int64_t> operand_elements) {
+  const GridSampleGeometry& g = call.geometry;
+  const int64_t limit = int64_t{1} << 31;
+  int64_t largest = std::max({g.batch * g.channels * g.cells, g.batch * g.channels * g.points,
+                              g.batch * g.points * 3});
+  for (int64_t e : operand_elements) largest = std::max(largest, e);
+  return largest < limit;
+}
+
+// Calls f(int32_t{}) or f(int64_t{}).
+template <class F>
+void with_index(bool narrow, F&& f) {
+  if (narrow) {
+    f(int32_t{});
+  } else {
+    f(int64_t{});
+  }
+}
+
+DimsView dims_of(const ffi::AnyBuffer& buffer) {
+  return DimsView{buffer.dimensions().begin(), int(buffer.dimensions().size())};
+}
+
+ffi::Error decode(const char* op, GridSamplePass pass, std::initializer_list<const ffi::AnyBuffer*> operands,
+                  const ffi::AnyBuffer& result, int64_t mode, int64_t padding, bool align_corners,
+                  ffi::Span<const int64_t> batch_maps, GridSampleCall* call) {
+  DimsView dims[3];
+  int count = 0;
+  for (const ffi::AnyBuffer* operand : operands) {
+    if (operand->element_type() != result.element_type())
+      return ffi::Error::InvalidArgument(std::string(op) + ": operands and result differ in element type");
+    dims[count++] = dims_of(*operand);
+  }
+  const std::string problem =
+      make_grid_sample_call(pass, dims, count, dims_of(result), mode, padding, align_corners,
+                            batch_maps.begin(), int64_t(batch_maps.size()), call);
+  if (!problem.empty()) return ffi::Error::InvalidArgument(std::string(op) + ": " + problem);
+  return ffi::Error::Success();
+}
+
+ffi::Error grid_sample_forward(cudaStream_t stream, ffi::AnyBuffer input, ffi::AnyBuffer grid,
+                               ffi::Result<ffi::AnyBuffer> out, int64_t mode, int64_t padding,
+                               bool align_corners, ffi::Span<const int64_t> batch_maps) {
+  const char* op = "grid_sample";
+  GridSampleCall call;
+  if (auto error = decode(op, GridSamplePass::kForward, {&input, &grid}, *out, mode, padding,
+                          align_corners, batch_maps, &call);
+      error.failure())
+    return error;
+  const GridSampleGeometry& g = call.geometry;
+  if (g.batch * g.channels * g.points == 0) return ffi::Error::Success();
+  const bool narrow = fits_32_bits(call, {int64_t(input.element_count()), int64_t(grid.element_count())});
+  const PointLaunch launch = launch_over_points(g.batch * g.points, g.channels);
+  return dispatch_float(input.element_type(), op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
+      with_index(narrow, [&](auto index) {
+        forward_kernel<T, decltype(index), decltype(mode_c)::value, decltype(dims_c)::value>
+            <<<launch.grid, launch.block, 0, stream>>>(
+                static_cast<const T*>(input.untyped_data()), static_cast<const T*>(grid.untyped_data()),
+                static_cast<T*>(out->untyped_data()), call);
+      });
+    });
+    return launch_status(op);
+  });
+}
+
+ffi::Error grid_sample_backward_grid(cudaStream_t stream, ffi::AnyBuffer dout, ffi::AnyBuffer input,
+                                     ffi::AnyBuffer grid, ffi::Result<ffi::AnyBuffer> d_grid,
+                                     int64_t mode, int64_t padding, bool align_corners,
+                                     ffi::Span<const int64_t> batch_maps) {
+  const char* op = "grid_sample backward d_grid";
+  GridSampleCall call;
+  if (auto error = decode(op, GridSamplePass::kBackwardGrid, {&dout, &input, &grid}, *d_grid,
+                          mode, padding, align_corners, batch_maps, &call);
+      error.failure())
+    return error;
+  const GridSampleGeometry& g = call.geometry;
+  if (g.batch * g.points == 0) return ffi::Error::Success();
+  if (g.channels == 0) {  // nothing to add: the gradient is zero
+    if (cudaMemsetAsync(d_grid->untyped_data(), 0, d_grid->size_bytes(), stream) != cudaSuccess)
+      return launch_status(op);
+    return ffi::Error::Success();
+  }
+  const bool narrow = fits_32_bits(call, {int64_t(dout.element_count()), int64_t(input.element_count()),
+                                          int64_t(grid.element_count())});
+  const PointLaunch launch = launch_over_points(g.batch * g.points, g.channels);
+  return dispatch_float(dout.element_type(), op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
+      with_index(narrow, [&](auto index) {
+        backward_grid_kernel<T, decltype(index), decltype(mode_c)::value, decltype(dims_c)::value>
+            <<<launch.grid, launch.block, 0, stream>>>(
+                static_cast<const T*>(dout.untyped_data()), static_cast<const T*>(input.untyped_data()),
+                static_cast<const T*>(grid.untyped_data()), static_cast<T*>(d_grid->untyped_data()), call);
+      });
+    });
+    return launch_status(op);
+  });
+}
+
+// The sorted (deterministic) d_input path, with keys and indices of type Key / Index.
+template <class T, class Key, class Index, GridSampleMode kMode, int kDims>
+ffi::Error backward_input_sorted(cudaStream_t stream, const GridSampleCall& call, const SortedLayout& l,
+                                 const T* dout, const T* grid, T* d_input, char* scratch) {
+  using A = acc_t<T>;
+  const char* op = "grid_sample backward d_input";
+  const GridSampleGeometry& g = call.geometry;
+  Key* keys[2] = {reinterpret_cast<Key*>(scratch + l.keys[0]), reinterpret_cast<Key*>(scratch + l.keys[1])};
+  Key* values[2] = {reinterpret_cast<Key*>(scratch + l.values[0]),
+                    reinterpret_cast<Key*>(scratch + l.values[1])};
+  A* weights = reinterpret_cast<A*>(scratch + l.weights);
+  A* sorted_weights = reinterpret_cast<A*>(scratch + l.sorted_weights);
+  Key* starts = reinterpret_cast<Key*>(scratch + l.starts);
+  Key* ends = reinterpret_cast<Key*>(scratch + l.ends);
+  const int64_t total_points = g.batch * g.points;
+
+  build_entries_kernel<T, Key, Index, kMode, kDims>
+      <<<grid_blocks(total_points, kThreads), kThreads, 0, stream>>>(grid, keys[0], values[0], weights,
+                                                                     call, Key(l.sentinel));
+  if (auto error = launch_status(op); error.failure()) return error;
+
+  cub::DoubleBuffer<Key> key_buffers(keys[0], keys[1]);
+  cub::DoubleBuffer<Key> value_buffers(values[0], values[1]);
+  using Items = std::conditional_t<sizeof(Key) == 4, int, int64_t>;
+  size_t needed = 0;
+  if (cub::DeviceRadixSort::SortPairs(nullptr, needed, key_buffers, value_buffers, Items(l.entries), 0,
+                                      l.end_bit, stream) != cudaSuccess)
+    return launch_status(op);
+  if (needed > l.cub_temp_bytes)
+    return ffi::Error::Internal(std::string(op) + ": CUB needs " + std::to_string(needed) +
+                                " bytes of temporary storage, above the bound of " +
+                                std::to_string(l.cub_temp_bytes) + " (cub_temp_bound is out of date)");
+  size_t available = l.cub_temp_bytes;
+  if (cub::DeviceRadixSort::SortPairs(scratch + l.cub_temp, available, key_buffers, value_buffers,
+                                      Items(l.entries), 0, l.end_bit, stream) != cudaSuccess)
+    return launch_status(op);
+
+  if (cudaMemsetAsync(starts, 0, size_t(l.sentinel) * sizeof(Key), stream) != cudaSuccess ||
+      cudaMemsetAsync(ends, 0, size_t(l.sentinel) * sizeof(Key), stream) != cudaSuccess)
+    return launch_status(op);
+  Key* sorted_points = value_buffers.Alternate();
+  segment_kernel<A, Key><<<grid_blocks(l.entries, kThreads), kThreads, 0, stream>>>(
+      key_buffers.Current(), value_buffers.Current(), weights, starts, ends, sorted_points,
+      sorted_weights, Key(l.entries), Key(total_points), Key(g.points), Key(l.sentinel));
+  if (auto error = launch_status(op); error.failure()) return error;
+
+  const int64_t cells = g.batch * g.cells;
+  const auto gather = [&](auto group) {
+    constexpr int G = decltype(group)::value;
+    const int64_t groups = (g.channels + G - 1) / G;
+    const unsigned blocks = grid_blocks(cells, kThreads);
+    const dim3 launch(blocks, unsigned(std::min<int64_t>(groups, 65535)));
+    gather_kernel<T, Key, Index, G><<<launch, kThreads, 0, stream>>>(
+        dout, starts, ends, sorted_points, sorted_weights, d_input, call);
+  };
+  if (g.channels >= 8) {
+    gather(std::integral_constant<int, 8>{});
+  } else if (g.channels >= 4) {
+    gather(std::integral_constant<int, 4>{});
+  } else {
+    gather(std::integral_constant<int, 1>{});
+  }
+  return launch_status(op);
+}
+
+ffi::Error grid_sample_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, ffi::AnyBuffer grid,
+                                      ffi::Result<ffi::AnyBuffer> d_input,
+                                      ffi::Result<ffi::AnyBuffer> scratch, int64_t mode,
+                                      int64_t padding, bool align_corners,
+                                      ffi::Span<const int64_t> batch_maps, bool deterministic) {
+  const char* op = "grid_sample backward d_input";
+  GridSampleCall call;
+  if (auto error = decode(op, GridSamplePass::kBackwardInput, {&dout, &grid}, *d_input, mode,
+                          padding, align_corners, batch_maps, &call);
+      error.failure())
+    return error;
+  const GridSampleGeometry& g = call.geometry;
+  if (g.batch * g.channels == 0) return ffi::Error::Success();
+  if (g.points == 0) {  // no point touches the input
+    if (cudaMemsetAsync(d_input->untyped_data(), 0, d_input->size_bytes(), stream) != cudaSuccess)
+      return launch_status(op);
+    return ffi::Error::Success();
+  }
+  const bool narrow_index = fits_32_bits(call, {int64_t(dout.element_count()), int64_t(grid.element_count())});
+  return dispatch_float(dout.element_type(), op, [&](auto tag) -> ffi::Error {
+    using T = typename decltype(tag)::type;
+    using A = acc_t<T>;
+    ffi::Error result = ffi::Error::Success();
+    if constexpr (std::is_same_v<A, T>) {
+      if (!deterministic) {
+        if (cudaMemsetAsync(d_input->untyped_data(), 0, d_input->size_bytes(), stream) != cudaSuccess)
+          return launch_status(op);
+        const PointLaunch launch = launch_over_points(g.batch * g.points, g.channels);
+        dispatch_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
+          with_index(narrow_index, [&](auto index) {
+            backward_input_atomic_kernel<T, decltype(index), decltype(mode_c)::value, decltype(dims_c)::value>
+                <<<launch.grid, launch.block, 0, stream>>>(static_cast<const T*>(dout.untyped_data()),
+                                                           static_cast<const T*>(grid.untyped_data()),
+                                                           static_cast<T*>(d_input->untyped_data()), call);
+          });
+        });
+        return launch_status(op);
+      }
+    }
+    const int taps = call.mode == GridSampleMode::kNearest ? 1
+                     : call.mode == GridSampleMode::kBilinear ? (g.dims == 2 ? 4 : 8)
+                                                              : 16;
+    const SortedLayout layout = sorted_layout(g.batch, g.points, taps, g.cells, int(sizeof(A)));
+    if (scratch->size_bytes() < layout.total)
+      return ffi::Error::InvalidArgument(std::string(op) + ": scratch of " +
+                                         std::to_string(scratch->size_bytes()) + " bytes, need " +
+                                         std::to_string(layout.total));
+    const uintptr_t base = reinterpret_cast<uintptr_t>(scratch->untyped_data());
+    char* aligned = reinterpret_cast<char*>((base + kAlign - 1) / kAlign * kAlign);
+    dispatch_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
+      constexpr GridSampleMode kMode = decltype(mode_c)::value;
+      constexpr int kDims = decltype(dims_c)::value;
+      const T* dout_data = static_cast<const T*>(dout.untyped_data());
+      const T* grid_data = static_cast<const T*>(grid.untyped_data());
+      T* result_data = static_cast<T*>(d_input->untyped_data());
+      if (layout.narrow && narrow_index) {
+        result = backward_input_sorted<T, uint32_t, int32_t, kMode, kDims>(
+            stream, call, layout, dout_data, grid_data, result_data, aligned);
+      } else if (layout.narrow) {
+        result = backward_input_sorted<T, uint32_t, int64_t, kMode, kDims>(
+            stream, call, layout, dout_data, grid_data, result_data, aligned);
+      } else {
+        result = backward_input_sorted<T, uint64_t, int64_t, kMode, kDims>(
+            stream, call, layout, dout_data, grid_data, result_data, aligned);
+      }
+    });
+    return result;
+  });
+}
+
+using Stream = ffi::PlatformStream<cudaStream_t>;
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleForwardCuda, grid_sample_forward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("mode")
+                                  .Attr<int64_t>("padding")
+                                  .Attr<bool>("align_corners")
+                                  .Attr<ffi::Span<const int64_t>>("batch_maps"),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleBackwardInputCuda, grid_sample_backward_input,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("mode")
+                                  .Attr<int64_t>("padding")
+                                  .Attr<bool>("align_corners")
+                                  .Attr<ffi::Span<const int64_t>>("batch_maps")
+                                  .Attr<bool>("deterministic"),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleBackwardGridCuda, grid_sample_backward_grid,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("mode")
+                                  .Attr<int64_t>("padding")
+                                  .Attr<bool>("align_corners")
+                                  .Attr<ffi::Span<const int64_t>>("batch_maps"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+JK_REGISTER_TARGET("jk_grid_sample_fwd", GridSampleForwardCuda, "grid_sample", "forward",
+                   "cuda gather, taps in registers", "bitwise");
+JK_REGISTER_TARGET("jk_grid_sample_bwd_input", GridSampleBackwardInputCuda, "grid_sample",
+                   "backward d_input", "cuda radix sort by cell + ordered gather (atomics if deterministic=False)",
+                   "bitwise (deterministic=True); atomics otherwise for float32/float64");
+JK_REGISTER_TARGET("jk_grid_sample_bwd_grid", GridSampleBackwardGridCuda, "grid_sample",
+                   "backward d_grid", "cuda gather, fixed-order channel reduction", "bitwise");
+JK_REGISTER_QUERY("grid_sample_bwd_input_scratch", backward_input_scratch_query);
+
+}  // namespace jax_kernels
