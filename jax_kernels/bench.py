@@ -327,7 +327,93 @@ def cases_roi_align(ctx: Context) -> list[Case]:
     return [fwd, both]
 
 
+def jnp_grid_sample_bilinear(x: jax.Array, grid: jax.Array) -> jax.Array:
+    """What a JAX user writes without jax_kernels: bilinear grid_sample (zeros padding,
+    align_corners=False) from four gathers; its gradient is a scatter-add."""
+    _, _, h, w = x.shape
+    ix = ((grid[..., 0] + 1) * w - 1) / 2
+    iy = ((grid[..., 1] + 1) * h - 1) / 2
+    x0, y0 = jnp.floor(ix), jnp.floor(iy)
+
+    def corner(xs, ys, weight):
+        def one_image(image, cx, cy, wgt):  # image [C, H, W], cx/cy/wgt [Ho, Wo]
+            inside = (cx >= 0) & (cx < w) & (cy >= 0) & (cy < h)
+            cxi = jnp.clip(cx, 0, w - 1).astype(jnp.int32)
+            cyi = jnp.clip(cy, 0, h - 1).astype(jnp.int32)
+            return image[:, cyi, cxi] * jnp.where(inside, wgt, 0)
+        return jax.vmap(one_image)(x, xs, ys, weight)
+
+    return (corner(x0, y0, (x0 + 1 - ix) * (y0 + 1 - iy)) + corner(x0 + 1, y0, (ix - x0) * (y0 + 1 - iy))
+            + corner(x0, y0 + 1, (x0 + 1 - ix) * (iy - y0)) + corner(x0 + 1, y0 + 1, (ix - x0) * (iy - y0)))
+
+
+def _smooth_grid(ctx: Context, n: int, ho: int, wo: int) -> np.ndarray:
+    """A rotated, slightly zoomed sampling grid with jitter: the smooth warp of augmentation
+    and optical flow, partly outside the image."""
+    rng = ctx.rng(7)
+    ys, xs = np.meshgrid(np.linspace(-1, 1, ho), np.linspace(-1, 1, wo), indexing="ij")
+    angle = rng.uniform(-0.3, 0.3, size=(n, 1, 1))
+    zoom = rng.uniform(0.9, 1.1, size=(n, 1, 1))
+    gx = zoom * (np.cos(angle) * xs - np.sin(angle) * ys)
+    gy = zoom * (np.sin(angle) * xs + np.cos(angle) * ys)
+    grid = np.stack([gx, gy], axis=-1) + rng.uniform(-0.01, 0.01, size=(n, ho, wo, 2))
+    return grid.astype(np.float32)
+
+
+def cases_grid_sample(ctx: Context) -> list[Case]:
+    if ctx.platform == "gpu":
+        shapes = [(32, 64, 64, 64), (8, 256, 128, 128)]
+    else:
+        shapes = [(8, 32, 64, 64)] if not ctx.quick else [(2, 8, 32, 32)]
+    cases = []
+    for n, c, h, w in shapes:
+        x = _jnp_random(ctx, (n, c, h, w))
+        grid = jnp.asarray(_smooth_grid(ctx, n, h, w))
+        dout = _jnp_random(ctx, (n, c, h, w), seed=3)
+        tensor, grid_bytes = 4 * n * c * h * w, 4 * n * h * w * 2
+        label = f"N{n} C{c} {h}x{w}->{h}x{w} f32"
+
+        def fwd_and_bwd(f):
+            def run(x, grid, dout):
+                out, vjp = jax.vjp(f, x, grid)
+                return (out,) + vjp(dout)
+            return jax.jit(run)
+
+        jk_fwd = jax.jit(jk.grid_sample)
+        jnp_fwd = jax.jit(jnp_grid_sample_bilinear)
+        jk_both = fwd_and_bwd(jk.grid_sample)
+        jk_both_atomic = fwd_and_bwd(lambda a, b: jk.grid_sample(a, b, deterministic=False))
+        jnp_both = fwd_and_bwd(jnp_grid_sample_bilinear)
+        fwd = Case(f"grid_sample fwd {label}", 2 * tensor + grid_bytes, [
+            Contender("jax_kernels", lambda x=x, g=grid: jk_fwd(x, g)),
+            Contender("jnp gather", lambda x=x, g=grid: jnp_fwd(x, g)),
+        ])
+        # fwd+bwd reads input, grid, dout and writes out, d_input, d_grid.
+        both = Case(f"grid_sample fwd+bwd {label}", 4 * tensor + 2 * grid_bytes, [
+            Contender("jax_kernels", lambda x=x, g=grid, d=dout: jk_both(x, g, d)),
+            Contender("jk atomic", lambda x=x, g=grid, d=dout: jk_both_atomic(x, g, d)),
+            Contender("jnp gather", lambda x=x, g=grid, d=dout: jnp_both(x, g, d)),
+        ])
+        if ctx.torch_device is not None:
+            tx = _to_torch(ctx, x).requires_grad_(True)
+            tg = _to_torch(ctx, grid).requires_grad_(True)
+            td = _to_torch(ctx, dout)
+            sample = torch.nn.functional.grid_sample
+
+            def torch_both(tx=tx, tg=tg, td=td):
+                out = sample(tx, tg, align_corners=False)
+                return (out,) + torch.autograd.grad(out, (tx, tg), td)
+
+            fwd.contenders.append(Contender(
+                "torch", lambda tx=tx, tg=tg: sample(tx.detach(), tg.detach(), align_corners=False),
+                "torch"))
+            both.contenders.append(Contender("torch", torch_both, "torch"))
+        cases += [fwd, both]
+    return cases
+
+
 CASES: dict[str, Callable[[Context], list[Case]]] = {
+    "grid_sample": cases_grid_sample,
     "lerp": cases_lerp,
     "repeat": cases_repeat,
     "roi_align": cases_roi_align,
