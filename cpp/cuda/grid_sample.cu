@@ -37,7 +37,8 @@ constexpr int kMaxSlices = 8;
 // ---- launch shapes ----------------------------------------------------------------------------
 
 // Blocks of kThreads = (points per block) x (channel slices). More slices when the points
-// alone would leave the GPU idle; a slice takes channels slice, slice + slices, ...
+// alone would leave most of the GPU's thread slots empty, as long as each slice keeps at least
+// 16 channels to amortize the taps it recomputes; a slice takes channels s, s + slices, ...
 struct PointLaunch {
   dim3 grid;
   dim3 block;
@@ -46,7 +47,7 @@ struct PointLaunch {
 PointLaunch launch_over_points(int64_t points, int64_t channels) {
   const int64_t resident = int64_t(multiprocessor_count()) * 2048;
   int slices = 1;
-  while (slices < kMaxSlices && 2 * slices <= channels && points * slices < 2 * resident) slices *= 2;
+  while (slices < kMaxSlices && points * slices < resident && channels >= 32 * slices) slices *= 2;
   const int per_block = kThreads / slices;
   return PointLaunch{dim3(grid_blocks(points, per_block)), dim3(per_block, slices)};
 }
@@ -388,6 +389,14 @@ void with_index(bool narrow, F&& f) {
   }
 }
 
+// The error of a CUDA or CUB call that returned `status` (CUB may fail without setting CUDA's
+// last error, so the status itself is what counts).
+ffi::Error call_status(const char* op, cudaError_t status) {
+  if (status == cudaSuccess) return ffi::Error::Success();
+  cudaGetLastError();  // clear it, if it was set
+  return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(status));
+}
+
 DimsView dims_of(const ffi::AnyBuffer& buffer) {
   return DimsView{buffer.dimensions().begin(), int(buffer.dimensions().size())};
 }
@@ -448,11 +457,8 @@ ffi::Error grid_sample_backward_grid(cudaStream_t stream, ffi::AnyBuffer dout, f
     return error;
   const GridSampleGeometry& g = call.geometry;
   if (g.batch * g.points == 0) return ffi::Error::Success();
-  if (g.channels == 0) {  // nothing to add: the gradient is zero
-    if (cudaMemsetAsync(d_grid->untyped_data(), 0, d_grid->size_bytes(), stream) != cudaSuccess)
-      return launch_status(op);
-    return ffi::Error::Success();
-  }
+  if (g.channels == 0)  // nothing to add: the gradient is zero
+    return call_status(op, cudaMemsetAsync(d_grid->untyped_data(), 0, d_grid->size_bytes(), stream));
   const bool narrow = fits_32_bits(call, {int64_t(dout.element_count()), int64_t(input.element_count()),
                                           int64_t(grid.element_count())});
   const PointLaunch launch = launch_over_points(g.batch * g.points, g.channels);
@@ -495,21 +501,28 @@ ffi::Error backward_input_sorted(cudaStream_t stream, const GridSampleCall& call
   cub::DoubleBuffer<Key> value_buffers(values[0], values[1]);
   using Items = std::conditional_t<sizeof(Key) == 4, int, int64_t>;
   size_t needed = 0;
-  if (cub::DeviceRadixSort::SortPairs(nullptr, needed, key_buffers, value_buffers, Items(l.entries), 0,
-                                      l.end_bit, stream) != cudaSuccess)
-    return launch_status(op);
+  if (auto error = call_status(op, cub::DeviceRadixSort::SortPairs(nullptr, needed, key_buffers,
+                                                                    value_buffers, Items(l.entries),
+                                                                    0, l.end_bit, stream));
+      error.failure())
+    return error;
   if (needed > l.cub_temp_bytes)
     return ffi::Error::Internal(std::string(op) + ": CUB needs " + std::to_string(needed) +
                                 " bytes of temporary storage, above the bound of " +
                                 std::to_string(l.cub_temp_bytes) + " (cub_temp_bound is out of date)");
   size_t available = l.cub_temp_bytes;
-  if (cub::DeviceRadixSort::SortPairs(scratch + l.cub_temp, available, key_buffers, value_buffers,
-                                      Items(l.entries), 0, l.end_bit, stream) != cudaSuccess)
-    return launch_status(op);
-
-  if (cudaMemsetAsync(starts, 0, size_t(l.sentinel) * sizeof(Key), stream) != cudaSuccess ||
-      cudaMemsetAsync(ends, 0, size_t(l.sentinel) * sizeof(Key), stream) != cudaSuccess)
-    return launch_status(op);
+  if (auto error = call_status(op, cub::DeviceRadixSort::SortPairs(scratch + l.cub_temp, available,
+                                                                    key_buffers, value_buffers,
+                                                                    Items(l.entries), 0, l.end_bit,
+                                                                    stream));
+      error.failure())
+    return error;
+  if (auto error = call_status(op, cudaMemsetAsync(starts, 0, size_t(l.sentinel) * sizeof(Key), stream));
+      error.failure())
+    return error;
+  if (auto error = call_status(op, cudaMemsetAsync(ends, 0, size_t(l.sentinel) * sizeof(Key), stream));
+      error.failure())
+    return error;
   Key* sorted_points = value_buffers.Alternate();
   segment_kernel<A, Key><<<grid_blocks(l.entries, kThreads), kThreads, 0, stream>>>(
       key_buffers.Current(), value_buffers.Current(), weights, starts, ends, sorted_points,
@@ -548,11 +561,8 @@ ffi::Error grid_sample_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, 
     return error;
   const GridSampleGeometry& g = call.geometry;
   if (g.batch * g.channels == 0) return ffi::Error::Success();
-  if (g.points == 0) {  // no point touches the input
-    if (cudaMemsetAsync(d_input->untyped_data(), 0, d_input->size_bytes(), stream) != cudaSuccess)
-      return launch_status(op);
-    return ffi::Error::Success();
-  }
+  if (g.points == 0)  // no point touches the input
+    return call_status(op, cudaMemsetAsync(d_input->untyped_data(), 0, d_input->size_bytes(), stream));
   const bool narrow_index = fits_32_bits(call, {int64_t(dout.element_count()), int64_t(grid.element_count())});
   return dispatch_float(dout.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = typename decltype(tag)::type;
@@ -560,8 +570,10 @@ ffi::Error grid_sample_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, 
     ffi::Error result = ffi::Error::Success();
     if constexpr (std::is_same_v<A, T>) {
       if (!deterministic) {
-        if (cudaMemsetAsync(d_input->untyped_data(), 0, d_input->size_bytes(), stream) != cudaSuccess)
-          return launch_status(op);
+        if (auto error = call_status(op, cudaMemsetAsync(d_input->untyped_data(), 0,
+                                                         d_input->size_bytes(), stream));
+            error.failure())
+          return error;
         const PointLaunch launch = launch_over_points(g.batch * g.points, g.channels);
         dispatch_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
           with_index(narrow_index, [&](auto index) {
