@@ -77,8 +77,9 @@ JK_HD A clip_coordinate(A x, int64_t size, A* slope) {
 }
 
 // Reflects x into [twice_low / 2, twice_high / 2] (bounds given doubled so that half-cell
-// bounds stay integers); the slope is +1 or -1 by the parity of the reflections. The parity
-// comes from the floating-point quotient, exact at any magnitude; ±Inf and NaN give NaN.
+// bounds stay integers); the slope is +1 or -1 by the parity of the reflections. The parity is
+// that of the floored floating-point quotient, also where torch's cast of it to int overflows;
+// ±Inf and NaN give NaN.
 template <class A>
 JK_HD A reflect_coordinate(A x, int64_t twice_low, int64_t twice_high, A* slope) {
   using namespace grid_sample_math;
