@@ -154,6 +154,11 @@ def _kernel(pass_: str, options: _Options, maps: tuple[tuple[int, int], ...],
 
     @call.def_vmap
     def rule(axis_size, in_batched, *operands):
+        if axis_size == 0:  # nothing to compute: an empty batch of per-example results
+            per_example = [jax.ShapeDtypeStruct(x.shape[1:] if b else x.shape, x.dtype)
+                           for x, b in zip(operands, in_batched)]
+            out = jax.eval_shape(call, *per_example)
+            return jnp.zeros((0,) + out.shape, out.dtype), True
         first = operands[0]
         batch = _output_batch(first.shape[1] if in_batched[0] else first.shape[0], maps[0])
         folded, folded_maps = _fold(axis_size, in_batched, operands, maps, batch)

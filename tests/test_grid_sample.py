@@ -385,6 +385,16 @@ def test_vmap(rank, in_axes):
         assert f"(tensor<{shape}xf64>, " in text
 
 
+def test_vmap_over_an_empty_axis():
+    x = jnp.asarray(random_array(28, (2, 3, 4, 5)))
+    grids = jnp.zeros((0, 2, 3, 3, 2))
+    f = lambda a, b: jnp.sum(jk.grid_sample(a, b) ** 2)
+    out = jax.vmap(jk.grid_sample, (None, 0))(x, grids)
+    assert out.shape == (0, 2, 3, 3, 3)
+    d_input, d_grid = jax.vmap(jax.grad(f, argnums=(0, 1)), (None, 0))(x, grids)
+    assert d_input.shape == (0,) + x.shape and d_grid.shape == grids.shape
+
+
 def test_nested_vmap_and_grads():
     x = jnp.asarray(random_array(15, (3, 2, 2, 4, 5)))  # [A, B?..] input batches
     grid = jnp.asarray(random_array(16, (4, 2, 3, 3, 2)))
