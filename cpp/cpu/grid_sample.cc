@@ -79,7 +79,8 @@ int64_t thread_count() {
 // Tiles per batch row, and the grain (in tiles) below which threading does not pay.
 int64_t tiles_per_row(const GridSampleGeometry& g) { return (g.points + kTile - 1) / kTile; }
 int64_t tile_grain(const GridSampleGeometry& g, int taps) {
-  return std::max<int64_t>(1, (int64_t{1} << 16) / (kTile * std::max<int64_t>(g.channels, 1) * taps));
+  const int64_t work_per_tile = kTile * std::max<int64_t>(g.channels, 1) * taps;
+  return std::max<int64_t>(1, (int64_t{1} << 16) / work_per_tile);
 }
 
 // Calls body(c, std::integral_constant<int, B>) for channel blocks [c, c + B) covering
@@ -117,6 +118,7 @@ void forward(const GridSampleCall& call, const T* input, const T* grid, T* out) 
       const T* in = input + call.input_map(m) * g.channels * g.cells;
       T* o = out + m * g.channels * g.points + p0;
       with_checks(taps->all_valid, [&](auto checked) {
+        constexpr bool kChecked = decltype(checked)::value;
         for_channel_blocks(g.channels, [&](int64_t c, auto block) {
           constexpr int B = decltype(block)::value;
           for (int64_t p = 0; p < count; ++p) {
@@ -124,7 +126,7 @@ void forward(const GridSampleCall& call, const T* input, const T* grid, T* out) 
             for (int t = 0; t < Tile::kCount; ++t) {
               const A w = taps->weight[t][p];
               for (int b = 0; b < B; ++b)
-                sum[b] += w * taps->template value<decltype(checked)::value>(in + (c + b) * g.cells, t, p);
+                sum[b] += w * taps->template value<kChecked>(in + (c + b) * g.cells, t, p);
             }
             for (int b = 0; b < B; ++b) o[(c + b) * g.points + p] = from_acc<T>(sum[b]);
           }
@@ -153,13 +155,14 @@ void backward_grid(const GridSampleCall& call, const T* dout, const T* input, co
       const T* in = input + call.input_map(m) * g.channels * g.cells;
       const T* d = dout + call.dout_map(m) * g.channels * g.points + p0;
       with_checks(taps->all_valid, [&](auto checked) {
+        constexpr bool kChecked = decltype(checked)::value;
         for_channel_blocks(g.channels, [&](int64_t c, auto block) {
           constexpr int B = decltype(block)::value;
           for (int64_t p = 0; p < count; ++p) {
             A along[B][kDims] = {};
             for (int t = 0; t < Tile::kCount; ++t) {
               for (int b = 0; b < B; ++b) {
-                const A v = taps->template value<decltype(checked)::value>(in + (c + b) * g.cells, t, p);
+                const A v = taps->template value<kChecked>(in + (c + b) * g.cells, t, p);
                 for (int a = 0; a < kDims; ++a) along[b][a] += v * taps->slope[a][t][p];
               }
             }
@@ -185,8 +188,9 @@ void backward_input(const GridSampleCall& call, const T* dout, const T* grid, T*
   const GridSampleGeometry& g = call.geometry;
   const int64_t tiles = tiles_per_row(g);
   // Channel ranges per batch row: enough work items to keep every thread busy.
-  const int64_t groups = std::clamp<int64_t>((2 * thread_count() + g.batch - 1) / std::max<int64_t>(g.batch, 1),
-                                             1, std::max<int64_t>(g.channels, 1));
+  const int64_t batch = std::max<int64_t>(g.batch, 1);
+  const int64_t groups = std::clamp<int64_t>((2 * thread_count() + batch - 1) / batch, 1,
+                                             std::max<int64_t>(g.channels, 1));
   parallel_for(g.batch * groups, 1, [&](int64_t begin, int64_t end) {
     auto taps = std::make_unique<Tile>();
     std::vector<A> widened;  // float accumulators for the half types
@@ -233,56 +237,25 @@ void backward_input(const GridSampleCall& call, const T* dout, const T* grid, T*
   });
 }
 
-// Calls f(std::integral_constant<GridSampleMode, mode>, std::integral_constant<int, dims>).
-template <class F>
-void dispatch_sampler(GridSampleMode mode, int dims, F&& f) {
-  using M = GridSampleMode;
-  if (mode == M::kBilinear && dims == 2) f(std::integral_constant<M, M::kBilinear>{}, std::integral_constant<int, 2>{});
-  if (mode == M::kBilinear && dims == 3) f(std::integral_constant<M, M::kBilinear>{}, std::integral_constant<int, 3>{});
-  if (mode == M::kNearest && dims == 2) f(std::integral_constant<M, M::kNearest>{}, std::integral_constant<int, 2>{});
-  if (mode == M::kNearest && dims == 3) f(std::integral_constant<M, M::kNearest>{}, std::integral_constant<int, 3>{});
-  if (mode == M::kBicubic && dims == 2) f(std::integral_constant<M, M::kBicubic>{}, std::integral_constant<int, 2>{});
-}
-
-DimsView dims_of(const ffi::AnyBuffer& buffer) {
-  return DimsView{buffer.dimensions().begin(), int(buffer.dimensions().size())};
-}
-
-// Decodes and validates a call; every operand and the result must share one element type.
-ffi::Error decode(const char* op, GridSamplePass pass, std::initializer_list<const ffi::AnyBuffer*> operands,
-                  const ffi::AnyBuffer& result, int64_t mode, int64_t padding, bool align_corners,
-                  ffi::Span<const int64_t> batch_maps, GridSampleCall* call) {
-  DimsView dims[3];
-  int count = 0;
-  for (const ffi::AnyBuffer* operand : operands) {
-    if (operand->element_type() != result.element_type())
-      return ffi::Error::InvalidArgument(std::string(op) + ": operands and result differ in element type");
-    dims[count++] = dims_of(*operand);
-  }
-  const std::string problem =
-      make_grid_sample_call(pass, dims, count, dims_of(result), mode, padding, align_corners,
-                            batch_maps.begin(), int64_t(batch_maps.size()), call);
-  if (!problem.empty()) return ffi::Error::InvalidArgument(std::string(op) + ": " + problem);
-  return ffi::Error::Success();
-}
 
 ffi::Error grid_sample_forward(ffi::AnyBuffer input, ffi::AnyBuffer grid,
                                ffi::Result<ffi::AnyBuffer> out, int64_t mode, int64_t padding,
                                bool align_corners, ffi::Span<const int64_t> batch_maps) {
   const char* op = "grid_sample";
   GridSampleCall call;
-  if (auto error = decode(op, GridSamplePass::kForward, {&input, &grid}, *out, mode, padding,
-                          align_corners, batch_maps, &call);
+  if (auto error = decode_grid_sample_call(op, GridSamplePass::kForward, {&input, &grid},
+                                          *out, mode, padding, align_corners,
+                                          batch_maps, &call);
       error.failure())
     return error;
   const GridSampleGeometry& g = call.geometry;
   if (g.batch * g.channels * g.points == 0) return ffi::Error::Success();
   return dispatch_float(input.element_type(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    dispatch_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
+    dispatch_grid_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
       forward<T, decltype(mode_c)::value, decltype(dims_c)::value>(
-          call, static_cast<const T*>(input.untyped_data()), static_cast<const T*>(grid.untyped_data()),
-          static_cast<T*>(out->untyped_data()));
+          call, static_cast<const T*>(input.untyped_data()),
+          static_cast<const T*>(grid.untyped_data()), static_cast<T*>(out->untyped_data()));
     });
     return ffi::Error::Success();
   });
@@ -296,18 +269,19 @@ ffi::Error grid_sample_backward_input(ffi::AnyBuffer dout, ffi::AnyBuffer grid,
                                       ffi::Span<const int64_t> batch_maps, bool /*deterministic*/) {
   const char* op = "grid_sample backward d_input";
   GridSampleCall call;
-  if (auto error = decode(op, GridSamplePass::kBackwardInput, {&dout, &grid}, *d_input, mode,
-                          padding, align_corners, batch_maps, &call);
+  if (auto error = decode_grid_sample_call(op, GridSamplePass::kBackwardInput, {&dout, &grid},
+                                          *d_input, mode, padding, align_corners,
+                                          batch_maps, &call);
       error.failure())
     return error;
   const GridSampleGeometry& g = call.geometry;
   if (g.batch * g.channels == 0) return ffi::Error::Success();
   return dispatch_float(dout.element_type(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    dispatch_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
+    dispatch_grid_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
       backward_input<T, decltype(mode_c)::value, decltype(dims_c)::value>(
-          call, static_cast<const T*>(dout.untyped_data()), static_cast<const T*>(grid.untyped_data()),
-          static_cast<T*>(d_input->untyped_data()));
+          call, static_cast<const T*>(dout.untyped_data()),
+          static_cast<const T*>(grid.untyped_data()), static_cast<T*>(d_input->untyped_data()));
     });
     return ffi::Error::Success();
   });
@@ -319,18 +293,20 @@ ffi::Error grid_sample_backward_grid(ffi::AnyBuffer dout, ffi::AnyBuffer input,
                                      ffi::Span<const int64_t> batch_maps) {
   const char* op = "grid_sample backward d_grid";
   GridSampleCall call;
-  if (auto error = decode(op, GridSamplePass::kBackwardGrid, {&dout, &input, &grid}, *d_grid,
-                          mode, padding, align_corners, batch_maps, &call);
+  if (auto error = decode_grid_sample_call(op, GridSamplePass::kBackwardGrid,
+                                          {&dout, &input, &grid}, *d_grid, mode, padding,
+                                          align_corners, batch_maps, &call);
       error.failure())
     return error;
   const GridSampleGeometry& g = call.geometry;
   if (g.batch * g.points == 0) return ffi::Error::Success();
   return dispatch_float(dout.element_type(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    dispatch_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
+    dispatch_grid_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
       backward_grid<T, decltype(mode_c)::value, decltype(dims_c)::value>(
-          call, static_cast<const T*>(dout.untyped_data()), static_cast<const T*>(input.untyped_data()),
-          static_cast<const T*>(grid.untyped_data()), static_cast<T*>(d_grid->untyped_data()));
+          call, static_cast<const T*>(dout.untyped_data()),
+          static_cast<const T*>(input.untyped_data()), static_cast<const T*>(grid.untyped_data()),
+          static_cast<T*>(d_grid->untyped_data()));
     });
     return ffi::Error::Success();
   });

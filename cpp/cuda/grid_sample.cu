@@ -112,7 +112,8 @@ __global__ void __launch_bounds__(kThreads)
   const Index total = Index(g.batch) * points;
   const Index per_block = blockDim.x;
   // Block-uniform loop: every thread reaches the barriers.
-  for (Index base = Index(blockIdx.x) * per_block; base < total; base += Index(gridDim.x) * per_block) {
+  const Index block_stride = Index(gridDim.x) * per_block;
+  for (Index base = Index(blockIdx.x) * per_block; base < total; base += block_stride) {
     const Index q = base + threadIdx.x;
     const bool active = q < total;
     A sums[kDims] = {};
@@ -145,12 +146,14 @@ __global__ void __launch_bounds__(kThreads)
         for (int a = 0; a < kDims; ++a) d_grid[q * kDims + a] = from_acc<T>(sums[a]);
       continue;
     }
-    for (int a = 0; a < kDims; ++a) partial[(threadIdx.y * blockDim.x + threadIdx.x) * kDims + a] = sums[a];
+    for (int a = 0; a < kDims; ++a)
+      partial[(threadIdx.y * blockDim.x + threadIdx.x) * kDims + a] = sums[a];
     __syncthreads();
     if (threadIdx.y == 0 && active) {
       for (int a = 0; a < kDims; ++a) {
         A sum = partial[threadIdx.x * kDims + a];
-        for (unsigned s = 1; s < blockDim.y; ++s) sum += partial[(s * blockDim.x + threadIdx.x) * kDims + a];
+        for (unsigned s = 1; s < blockDim.y; ++s)
+          sum += partial[(s * blockDim.x + threadIdx.x) * kDims + a];
         d_grid[q * kDims + a] = from_acc<T>(sum);
       }
     }
@@ -233,7 +236,8 @@ size_t cub_temp_bound(int64_t items, int end_bit) {
          align_up(size_t(portions * passes * 4)) + 8 * kAlign;
 }
 
-SortedLayout sorted_layout(int64_t batch, int64_t points, int64_t taps, int64_t cells, int acc_bytes) {
+SortedLayout sorted_layout(int64_t batch, int64_t points, int64_t taps, int64_t cells,
+                           int acc_bytes) {
   SortedLayout l;
   l.entries = batch * points * taps;
   l.sentinel = batch * cells;
@@ -358,16 +362,6 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- dispatch -------------------------------------------------------------------------------
 
-// Calls f(std::integral_constant<GridSampleMode, mode>, std::integral_constant<int, dims>).
-template <class F>
-void dispatch_sampler(GridSampleMode mode, int dims, F&& f) {
-  using M = GridSampleMode;
-  if (mode == M::kBilinear && dims == 2) f(std::integral_constant<M, M::kBilinear>{}, std::integral_constant<int, 2>{});
-  if (mode == M::kBilinear && dims == 3) f(std::integral_constant<M, M::kBilinear>{}, std::integral_constant<int, 3>{});
-  if (mode == M::kNearest && dims == 2) f(std::integral_constant<M, M::kNearest>{}, std::integral_constant<int, 2>{});
-  if (mode == M::kNearest && dims == 3) f(std::integral_constant<M, M::kNearest>{}, std::integral_constant<int, 3>{});
-  if (mode == M::kBicubic && dims == 2) f(std::integral_constant<M, M::kBicubic>{}, std::integral_constant<int, 2>{});
-}
 
 // Whether every index the kernels form fits in 32 bits for these operand batch sizes.
 bool fits_32_bits(const GridSampleCall& call, std::initializer_list<int64_t> operand_elements) {
@@ -397,48 +391,30 @@ ffi::Error call_status(const char* op, cudaError_t status) {
   return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(status));
 }
 
-DimsView dims_of(const ffi::AnyBuffer& buffer) {
-  return DimsView{buffer.dimensions().begin(), int(buffer.dimensions().size())};
-}
-
-ffi::Error decode(const char* op, GridSamplePass pass, std::initializer_list<const ffi::AnyBuffer*> operands,
-                  const ffi::AnyBuffer& result, int64_t mode, int64_t padding, bool align_corners,
-                  ffi::Span<const int64_t> batch_maps, GridSampleCall* call) {
-  DimsView dims[3];
-  int count = 0;
-  for (const ffi::AnyBuffer* operand : operands) {
-    if (operand->element_type() != result.element_type())
-      return ffi::Error::InvalidArgument(std::string(op) + ": operands and result differ in element type");
-    dims[count++] = dims_of(*operand);
-  }
-  const std::string problem =
-      make_grid_sample_call(pass, dims, count, dims_of(result), mode, padding, align_corners,
-                            batch_maps.begin(), int64_t(batch_maps.size()), call);
-  if (!problem.empty()) return ffi::Error::InvalidArgument(std::string(op) + ": " + problem);
-  return ffi::Error::Success();
-}
-
 ffi::Error grid_sample_forward(cudaStream_t stream, ffi::AnyBuffer input, ffi::AnyBuffer grid,
                                ffi::Result<ffi::AnyBuffer> out, int64_t mode, int64_t padding,
                                bool align_corners, ffi::Span<const int64_t> batch_maps) {
   const char* op = "grid_sample";
   GridSampleCall call;
-  if (auto error = decode(op, GridSamplePass::kForward, {&input, &grid}, *out, mode, padding,
-                          align_corners, batch_maps, &call);
+  if (auto error = decode_grid_sample_call(op, GridSamplePass::kForward, {&input, &grid},
+                                          *out, mode, padding, align_corners,
+                                          batch_maps, &call);
       error.failure())
     return error;
   const GridSampleGeometry& g = call.geometry;
   if (g.batch * g.channels * g.points == 0) return ffi::Error::Success();
-  const bool narrow = fits_32_bits(call, {int64_t(input.element_count()), int64_t(grid.element_count())});
+  const bool narrow =
+      fits_32_bits(call, {int64_t(input.element_count()), int64_t(grid.element_count())});
   const PointLaunch launch = launch_over_points(g.batch * g.points, g.channels);
   return dispatch_float(input.element_type(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    dispatch_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
+    dispatch_grid_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
       with_index(narrow, [&](auto index) {
         forward_kernel<T, decltype(index), decltype(mode_c)::value, decltype(dims_c)::value>
             <<<launch.grid, launch.block, 0, stream>>>(
-                static_cast<const T*>(input.untyped_data()), static_cast<const T*>(grid.untyped_data()),
-                static_cast<T*>(out->untyped_data()), call);
+                static_cast<const T*>(input.untyped_data()),
+                static_cast<const T*>(grid.untyped_data()), static_cast<T*>(out->untyped_data()),
+                call);
       });
     });
     return launch_status(op);
@@ -451,25 +427,30 @@ ffi::Error grid_sample_backward_grid(cudaStream_t stream, ffi::AnyBuffer dout, f
                                      ffi::Span<const int64_t> batch_maps) {
   const char* op = "grid_sample backward d_grid";
   GridSampleCall call;
-  if (auto error = decode(op, GridSamplePass::kBackwardGrid, {&dout, &input, &grid}, *d_grid,
-                          mode, padding, align_corners, batch_maps, &call);
+  if (auto error = decode_grid_sample_call(op, GridSamplePass::kBackwardGrid,
+                                          {&dout, &input, &grid}, *d_grid, mode, padding,
+                                          align_corners, batch_maps, &call);
       error.failure())
     return error;
   const GridSampleGeometry& g = call.geometry;
   if (g.batch * g.points == 0) return ffi::Error::Success();
   if (g.channels == 0)  // nothing to add: the gradient is zero
-    return call_status(op, cudaMemsetAsync(d_grid->untyped_data(), 0, d_grid->size_bytes(), stream));
-  const bool narrow = fits_32_bits(call, {int64_t(dout.element_count()), int64_t(input.element_count()),
+    return call_status(op,
+                       cudaMemsetAsync(d_grid->untyped_data(), 0, d_grid->size_bytes(), stream));
+  const bool narrow = fits_32_bits(call, {int64_t(dout.element_count()),
+                                          int64_t(input.element_count()),
                                           int64_t(grid.element_count())});
   const PointLaunch launch = launch_over_points(g.batch * g.points, g.channels);
   return dispatch_float(dout.element_type(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    dispatch_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
+    dispatch_grid_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
       with_index(narrow, [&](auto index) {
         backward_grid_kernel<T, decltype(index), decltype(mode_c)::value, decltype(dims_c)::value>
             <<<launch.grid, launch.block, 0, stream>>>(
-                static_cast<const T*>(dout.untyped_data()), static_cast<const T*>(input.untyped_data()),
-                static_cast<const T*>(grid.untyped_data()), static_cast<T*>(d_grid->untyped_data()), call);
+                static_cast<const T*>(dout.untyped_data()),
+                static_cast<const T*>(input.untyped_data()),
+                static_cast<const T*>(grid.untyped_data()),
+                static_cast<T*>(d_grid->untyped_data()), call);
       });
     });
     return launch_status(op);
@@ -478,12 +459,14 @@ ffi::Error grid_sample_backward_grid(cudaStream_t stream, ffi::AnyBuffer dout, f
 
 // The sorted (deterministic) d_input path, with keys and indices of type Key / Index.
 template <class T, class Key, class Index, GridSampleMode kMode, int kDims>
-ffi::Error backward_input_sorted(cudaStream_t stream, const GridSampleCall& call, const SortedLayout& l,
-                                 const T* dout, const T* grid, T* d_input, char* scratch) {
+ffi::Error backward_input_sorted(cudaStream_t stream, const GridSampleCall& call,
+                                 const SortedLayout& l, const T* dout, const T* grid, T* d_input,
+                                 char* scratch) {
   using A = acc_t<T>;
   const char* op = "grid_sample backward d_input";
   const GridSampleGeometry& g = call.geometry;
-  Key* keys[2] = {reinterpret_cast<Key*>(scratch + l.keys[0]), reinterpret_cast<Key*>(scratch + l.keys[1])};
+  Key* keys[2] = {reinterpret_cast<Key*>(scratch + l.keys[0]),
+                  reinterpret_cast<Key*>(scratch + l.keys[1])};
   Key* values[2] = {reinterpret_cast<Key*>(scratch + l.values[0]),
                     reinterpret_cast<Key*>(scratch + l.values[1])};
   A* weights = reinterpret_cast<A*>(scratch + l.weights);
@@ -493,8 +476,8 @@ ffi::Error backward_input_sorted(cudaStream_t stream, const GridSampleCall& call
   const int64_t total_points = g.batch * g.points;
 
   build_entries_kernel<T, Key, Index, kMode, kDims>
-      <<<grid_blocks(total_points, kThreads), kThreads, 0, stream>>>(grid, keys[0], values[0], weights,
-                                                                     call, Key(l.sentinel));
+      <<<grid_blocks(total_points, kThreads), kThreads, 0, stream>>>(
+          grid, keys[0], values[0], weights, call, Key(l.sentinel));
   if (auto error = launch_status(op); error.failure()) return error;
 
   cub::DoubleBuffer<Key> key_buffers(keys[0], keys[1]);
@@ -509,7 +492,8 @@ ffi::Error backward_input_sorted(cudaStream_t stream, const GridSampleCall& call
   if (needed > l.cub_temp_bytes)
     return ffi::Error::Internal(std::string(op) + ": CUB needs " + std::to_string(needed) +
                                 " bytes of temporary storage, above the bound of " +
-                                std::to_string(l.cub_temp_bytes) + " (cub_temp_bound is out of date)");
+                                std::to_string(l.cub_temp_bytes) +
+                                " (cub_temp_bound is out of date)");
   size_t available = l.cub_temp_bytes;
   if (auto error = call_status(op, cub::DeviceRadixSort::SortPairs(scratch + l.cub_temp, available,
                                                                     key_buffers, value_buffers,
@@ -517,12 +501,11 @@ ffi::Error backward_input_sorted(cudaStream_t stream, const GridSampleCall& call
                                                                     stream));
       error.failure())
     return error;
-  if (auto error = call_status(op, cudaMemsetAsync(starts, 0, size_t(l.sentinel) * sizeof(Key), stream));
-      error.failure())
-    return error;
-  if (auto error = call_status(op, cudaMemsetAsync(ends, 0, size_t(l.sentinel) * sizeof(Key), stream));
-      error.failure())
-    return error;
+  const size_t bounds_bytes = size_t(l.sentinel) * sizeof(Key);
+  for (Key* bounds : {starts, ends})
+    if (auto error = call_status(op, cudaMemsetAsync(bounds, 0, bounds_bytes, stream));
+        error.failure())
+      return error;
   Key* sorted_points = value_buffers.Alternate();
   segment_kernel<A, Key><<<grid_blocks(l.entries, kThreads), kThreads, 0, stream>>>(
       key_buffers.Current(), value_buffers.Current(), weights, starts, ends, sorted_points,
@@ -555,15 +538,18 @@ ffi::Error grid_sample_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, 
                                       ffi::Span<const int64_t> batch_maps, bool deterministic) {
   const char* op = "grid_sample backward d_input";
   GridSampleCall call;
-  if (auto error = decode(op, GridSamplePass::kBackwardInput, {&dout, &grid}, *d_input, mode,
-                          padding, align_corners, batch_maps, &call);
+  if (auto error = decode_grid_sample_call(op, GridSamplePass::kBackwardInput, {&dout, &grid},
+                                          *d_input, mode, padding, align_corners,
+                                          batch_maps, &call);
       error.failure())
     return error;
   const GridSampleGeometry& g = call.geometry;
   if (g.batch * g.channels == 0) return ffi::Error::Success();
   if (g.points == 0)  // no point touches the input
-    return call_status(op, cudaMemsetAsync(d_input->untyped_data(), 0, d_input->size_bytes(), stream));
-  const bool narrow_index = fits_32_bits(call, {int64_t(dout.element_count()), int64_t(grid.element_count())});
+    return call_status(op,
+                       cudaMemsetAsync(d_input->untyped_data(), 0, d_input->size_bytes(), stream));
+  const bool narrow_index =
+      fits_32_bits(call, {int64_t(dout.element_count()), int64_t(grid.element_count())});
   return dispatch_float(dout.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = typename decltype(tag)::type;
     using A = acc_t<T>;
@@ -575,12 +561,14 @@ ffi::Error grid_sample_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, 
             error.failure())
           return error;
         const PointLaunch launch = launch_over_points(g.batch * g.points, g.channels);
-        dispatch_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
+        dispatch_grid_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
           with_index(narrow_index, [&](auto index) {
-            backward_input_atomic_kernel<T, decltype(index), decltype(mode_c)::value, decltype(dims_c)::value>
-                <<<launch.grid, launch.block, 0, stream>>>(static_cast<const T*>(dout.untyped_data()),
-                                                           static_cast<const T*>(grid.untyped_data()),
-                                                           static_cast<T*>(d_input->untyped_data()), call);
+            backward_input_atomic_kernel<T, decltype(index), decltype(mode_c)::value,
+                                         decltype(dims_c)::value>
+                <<<launch.grid, launch.block, 0, stream>>>(
+                    static_cast<const T*>(dout.untyped_data()),
+                    static_cast<const T*>(grid.untyped_data()),
+                    static_cast<T*>(d_input->untyped_data()), call);
           });
         });
         return launch_status(op);
@@ -596,7 +584,7 @@ ffi::Error grid_sample_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, 
                                          std::to_string(layout.total));
     const uintptr_t base = reinterpret_cast<uintptr_t>(scratch->untyped_data());
     char* aligned = reinterpret_cast<char*>((base + kAlign - 1) / kAlign * kAlign);
-    dispatch_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
+    dispatch_grid_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
       constexpr GridSampleMode kMode = decltype(mode_c)::value;
       constexpr int kDims = decltype(dims_c)::value;
       const T* dout_data = static_cast<const T*>(dout.untyped_data());
@@ -661,7 +649,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleBackwardGridCuda, grid_sample_backward_g
 JK_REGISTER_TARGET("jk_grid_sample_fwd", GridSampleForwardCuda, "grid_sample", "forward",
                    "cuda gather, taps in registers", "bitwise");
 JK_REGISTER_TARGET("jk_grid_sample_bwd_input", GridSampleBackwardInputCuda, "grid_sample",
-                   "backward d_input", "cuda radix sort by cell + ordered gather (atomics if deterministic=False)",
+                   "backward d_input",
+                   "cuda radix sort by cell + ordered gather (atomics if deterministic=False)",
                    "bitwise (deterministic=True); atomics otherwise for float32/float64");
 JK_REGISTER_TARGET("jk_grid_sample_bwd_grid", GridSampleBackwardGridCuda, "grid_sample",
                    "backward d_grid", "cuda gather, fixed-order channel reduction", "bitwise");

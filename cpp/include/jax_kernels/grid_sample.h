@@ -14,8 +14,11 @@
 #include <math.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <type_traits>
 
+#include "jax_kernels/ffi_util.h"
 #include "jax_kernels/scalar.h"
 
 // Unrolls a loop with a compile-time trip count under nvcc (host compilers unroll on their own
@@ -126,8 +129,9 @@ JK_HD A pad_coordinate(A x, int64_t size, GridSamplePadding padding, bool align_
 template <class A>
 JK_HD void cubic_weights(A t, A (&w)[4]) {
   const A a = A(-0.75);
-  const auto inner = [a](A d) { return ((a + A(2)) * d - (a + A(3))) * d * d + A(1); };  // |d| <= 1
-  const auto outer = [a](A d) { return ((a * d - A(5) * a) * d + A(8) * a) * d - A(4) * a; };  // 1 < |d| < 2
+  // The kernel at distance d: `inner` for |d| <= 1, `outer` for 1 < |d| < 2.
+  const auto inner = [a](A d) { return ((a + A(2)) * d - (a + A(3))) * d * d + A(1); };
+  const auto outer = [a](A d) { return ((a * d - A(5) * a) * d + A(8) * a) * d - A(4) * a; };
   w[0] = outer(t + A(1));
   w[1] = inner(t);
   w[2] = inner(A(1) - t);
@@ -333,9 +337,10 @@ inline bool batch_map_fits(const BatchMap& map, int64_t rows, int64_t batch) {
 }
 
 // The three passes, one FFI target each. Operands, in order, and result:
-//   kForward:        input [S, C, (D,) H, W], grid [S_g, (Do,) Ho, Wo, dims] -> out [M, C, (Do,) Ho, Wo]
-//   kBackwardInput:  dout [S_d, C, (Do,) Ho, Wo], grid                      -> d_input [M, C, (D,) H, W]
-//   kBackwardGrid:   dout, input, grid                                      -> d_grid [M, (Do,) Ho, Wo, dims]
+//   kForward:       input [S, C, (D,) H, W], grid [S_g, (Do,) Ho, Wo, dims]
+//                   -> out [M, C, (Do,) Ho, Wo]
+//   kBackwardInput: dout [S_d, C, (Do,) Ho, Wo], grid -> d_input [M, C, (D,) H, W]
+//   kBackwardGrid:  dout, input, grid -> d_grid [M, (Do,) Ho, Wo, dims]
 // Each operand's batch S maps onto the output batch M through its BatchMap (attribute
 // `batch_maps`: repeat, chunk per operand, in operand order).
 enum class GridSamplePass { kForward, kBackwardInput, kBackwardGrid };
@@ -361,7 +366,8 @@ inline std::string make_grid_sample_call(GridSamplePass pass, const DimsView* op
                                          GridSampleCall* call) {
   const int expected_operands = pass == GridSamplePass::kBackwardGrid ? 3 : 2;
   if (operand_count != expected_operands) return "wrong operand count";
-  if (batch_map_count != 2 * operand_count) return "batch_maps must hold (repeat, chunk) per operand";
+  if (batch_map_count != 2 * operand_count)
+    return "batch_maps must hold (repeat, chunk) per operand";
   GridSampleCall c;
   if (mode != int64_t(GridSampleMode::kBilinear) && mode != int64_t(GridSampleMode::kNearest) &&
       mode != int64_t(GridSampleMode::kBicubic))
@@ -390,7 +396,8 @@ inline std::string make_grid_sample_call(GridSamplePass pass, const DimsView* op
   if (result.rank != rank) return "result rank is wrong";
   if (pass == GridSamplePass::kForward && (result[1] != g.channels || !same_points(result, 2)))
     return "output shape does not match input and grid";
-  if (pass == GridSamplePass::kBackwardGrid && (!same_points(result, 1) || result[rank - 1] != g.dims))
+  if (pass == GridSamplePass::kBackwardGrid &&
+      (!same_points(result, 1) || result[rank - 1] != g.dims))
     return "d_grid shape does not match the grid";
   if (dout != nullptr && (dout->rank != rank || (*dout)[1] != g.channels || !same_points(*dout, 2)))
     return "dout shape does not match input and grid";
@@ -417,6 +424,51 @@ inline std::string make_grid_sample_call(GridSamplePass pass, const DimsView* op
   }
   *call = c;
   return "";
+}
+
+// ---- host side: decoding an FFI call and choosing a kernel instantiation ----------------------
+
+// Decodes and validates a call of `pass`; every operand and the result share one element type.
+inline ffi::Error decode_grid_sample_call(const char* op, GridSamplePass pass,
+                                          std::initializer_list<const ffi::AnyBuffer*> operands,
+                                          const ffi::AnyBuffer& result, int64_t mode,
+                                          int64_t padding, bool align_corners,
+                                          ffi::Span<const int64_t> batch_maps,
+                                          GridSampleCall* call) {
+  const auto dims_of = [](const ffi::AnyBuffer& buffer) {
+    return DimsView{buffer.dimensions().begin(), int(buffer.dimensions().size())};
+  };
+  DimsView dims[3];
+  int count = 0;
+  for (const ffi::AnyBuffer* operand : operands) {
+    if (operand->element_type() != result.element_type())
+      return ffi::Error::InvalidArgument(std::string(op) +
+                                         ": operands and result differ in element type");
+    if (count == 3) return ffi::Error::InvalidArgument(std::string(op) + ": too many operands");
+    dims[count++] = dims_of(*operand);
+  }
+  const std::string problem =
+      make_grid_sample_call(pass, dims, count, dims_of(result), mode, padding, align_corners,
+                            batch_maps.begin(), int64_t(batch_maps.size()), call);
+  if (!problem.empty()) return ffi::Error::InvalidArgument(std::string(op) + ": " + problem);
+  return ffi::Error::Success();
+}
+
+// Calls f(std::integral_constant<GridSampleMode, mode>{}, std::integral_constant<int, dims>{})
+// for the sampler of a decoded call (bicubic exists in 2-D only).
+template <class F>
+void dispatch_grid_sampler(GridSampleMode mode, int dims, F&& f) {
+  using M = GridSampleMode;
+  using Bilinear = std::integral_constant<M, M::kBilinear>;
+  using Nearest = std::integral_constant<M, M::kNearest>;
+  using Bicubic = std::integral_constant<M, M::kBicubic>;
+  using Two = std::integral_constant<int, 2>;
+  using Three = std::integral_constant<int, 3>;
+  if (mode == M::kBilinear && dims == 2) f(Bilinear{}, Two{});
+  if (mode == M::kBilinear && dims == 3) f(Bilinear{}, Three{});
+  if (mode == M::kNearest && dims == 2) f(Nearest{}, Two{});
+  if (mode == M::kNearest && dims == 3) f(Nearest{}, Three{});
+  if (mode == M::kBicubic && dims == 2) f(Bicubic{}, Two{});
 }
 
 }  // namespace jax_kernels
