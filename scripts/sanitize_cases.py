@@ -37,4 +37,25 @@ for dtype in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64):
         jax.block_until_ready(jax.vmap(grad)(jnp.stack([x, -x]), jnp.stack([boxes, boxes])))
     no_boxes = lambda x: jnp.sum(jk.roi_align(x, boxes[:0], 3).astype(jnp.float32))
     jax.block_until_ready(jax.grad(no_boxes)(x))
+    # grid_sample: every mode, 4-D and 5-D, coordinates inside, outside, on the borders, NaN,
+    # infinite and huge, under each padding; both d_input paths, a vmap over grids, no points.
+    specials = [0.3, -1.0, 1.0, -1.7, 2.5, np.nan, np.inf, -np.inf, 1e30, -1e10]
+    for rank in (4, 5):
+        dims = rank - 2
+        x = rand(2, 5, *((4, 7, 9)[3 - dims:]), dtype=dtype)
+        coords = np.stack(np.meshgrid(*[specials] * dims, indexing="ij"), axis=-1)
+        grid = jnp.asarray(np.broadcast_to(coords.reshape((1,) * dims + (-1, dims)),
+                                           (2,) + (1,) * (dims - 1) + (len(specials) ** dims, dims)))
+        grid = grid.astype(dtype)
+        atomics = (False,) if dtype in (jnp.float32, jnp.float64) else ()
+        for mode in ("bilinear", "nearest", "bicubic")[: 3 if rank == 4 else 2]:
+            for padding, align, deterministic in (("zeros", False, True), ("reflection", True, True),
+                                                  *(("border", False, d) for d in atomics)):
+                op = lambda x, g: jk.grid_sample(x, g, mode, padding, align,
+                                                 deterministic=deterministic)
+                grad = jax.grad(lambda x, g: jnp.sum(op(x, g).astype(jnp.float32)), argnums=(0, 1))
+                jax.block_until_ready(grad(x, grid))
+        jax.block_until_ready(jax.vmap(grad, (None, 0))(x, jnp.stack([grid, -grid])))
+        no_points = lambda x: jnp.sum(jk.grid_sample(x, grid[:, :0]).astype(jnp.float32))
+        jax.block_until_ready(jax.grad(no_points)(x))
 print("sanitize cases ran")

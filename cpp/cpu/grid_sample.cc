@@ -14,10 +14,6 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
-
 #include "jax_kernels/cpu_parallel.h"
 #include "jax_kernels/ffi_util.h"
 #include "jax_kernels/grid_sample.h"
@@ -67,14 +63,6 @@ struct TileTaps {
     return v;
   }
 };
-
-int64_t thread_count() {
-#if defined(_OPENMP)
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
-}
 
 // Tiles per batch row, and the grain (in tiles) below which threading does not pay.
 int64_t tiles_per_row(const GridSampleGeometry& g) { return (g.points + kTile - 1) / kTile; }
@@ -189,7 +177,7 @@ void backward_input(const GridSampleCall& call, const T* dout, const T* grid, T*
   const int64_t tiles = tiles_per_row(g);
   // Channel ranges per batch row: enough work items to keep every thread busy.
   const int64_t batch = std::max<int64_t>(g.batch, 1);
-  const int64_t groups = std::clamp<int64_t>((2 * thread_count() + batch - 1) / batch, 1,
+  const int64_t groups = std::clamp<int64_t>((2 * parallel_threads() + batch - 1) / batch, 1,
                                              std::max<int64_t>(g.channels, 1));
   parallel_for(g.batch * groups, 1, [&](int64_t begin, int64_t end) {
     auto taps = std::make_unique<Tile>();
