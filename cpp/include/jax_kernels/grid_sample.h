@@ -39,6 +39,17 @@ namespace grid_sample_math {
 
 JK_HD float floor_of(float x) { return floorf(x); }
 JK_HD double floor_of(double x) { return floor(x); }
+// floor of a value known to lie well inside the int64 range. Host compilers without SSE4.1
+// call libm for floor; a truncating conversion is one instruction.
+template <class A>
+JK_HD A floor_of_bounded(A x) {
+#if defined(__CUDA_ARCH__)
+  return floor_of(x);
+#else
+  const A truncated = A(int64_t(x));
+  return truncated > x ? truncated - A(1) : truncated;
+#endif
+}
 // Round half to even (torch's nearbyint under the default rounding mode).
 JK_HD float round_even(float x) { return rintf(x); }
 JK_HD double round_even(double x) { return rint(x); }
@@ -188,7 +199,7 @@ JK_HD void axis_taps(A coord, int64_t size, GridSamplePadding padding, bool alig
     // whatever the padding. The stand-in keeps the weights finite, so that skipped taps cannot
     // turn a sum into NaN.
     if (!(x >= A(-1) && x < extent) || coord != coord) x = A(-2);
-    const A x0 = floor_of(x);
+    const A x0 = floor_of_bounded(x);
     const A x1 = x0 + A(1);
     taps->weight[0] = x1 - x;
     taps->weight[1] = x - x0;
