@@ -2,8 +2,9 @@
 as CUDA and C++ kernels registered with XLA through the typed FFI."""
 
 from ._capabilities import capabilities
+from .conv import conv2d
 from .lerp import lerp
 from .repeat import repeat
 
-__all__ = ["capabilities", "lerp", "repeat"]
+__all__ = ["capabilities", "conv2d", "lerp", "repeat"]
 __version__ = "0.1.0"
