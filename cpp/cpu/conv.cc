@@ -52,24 +52,26 @@ struct StencilOutput {
 };
 
 template <class A>
-struct WeightGradientPlane {
-  const A* x;                     // zero-padded input planes [image][row][x_row_pitch], columns
-                                  // split into stride phases
+struct WeightGradientBlock {
+  const A* x;                       // zero-padded input planes [image][channel][row][x_row_pitch],
+                                    // columns split into stride phases
   int64_t x_image_pitch, x_row_pitch;
-  int64_t row_step, row_dilation;  // stride_h, dilation_h
-  const int64_t* col_offset;      // per tap s: the element read by output column 0
-  const A* dy;                    // output-gradient planes [image][filter][row][dy_row_pitch]
+  int64_t row_step;                 // stride_h
+  int64_t columns;                  // (channel, tap) columns of the block
+  const int64_t* column_offset;     // per column: the element read by output (0, 0)
+  const A* dy;                      // output-gradient planes [image][filter][row][dy_row_pitch]
   int64_t dy_image_pitch, dy_channel_pitch, dy_row_pitch;
-  int64_t images, rows, cols;     // images, P, and Q rounded up to whole vectors (zeros beyond Q)
-  int64_t R, S;
+  int64_t images, rows, cols;       // images, P, and Q rounded up to whole vectors (zeros beyond Q)
 };
 
 template <class A>
 struct CpuLoops {
   int lanes;          // vector lanes of A
   int channel_block;  // output channels per register block of the stencil (then 4, then 1)
+  void (*copy_padded_rows)(const A* source, int64_t source_pitch, int64_t rows, int64_t offset,
+                           int64_t count, int64_t width, A* out);
   void (*stencil_phase)(const StencilTile<A>&, const StencilOutput<A>&);
-  void (*weight_gradient)(const WeightGradientPlane<A>&, int64_t filters, A* partial,
+  void (*weight_gradient)(const WeightGradientBlock<A>&, int64_t filters, A* partial,
                           int64_t partial_stride);
 };
 
@@ -140,26 +142,31 @@ int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 // `phases * phase_len` elements: padded column j (source column col_begin + j) goes to
 // phase j % phases, position j / phases. Everything outside the source reads as zero.
 template <class T, class A>
-void fill_padded_rows(const T* plane, int64_t source_rows, int64_t source_cols, int64_t row_begin,
-                      int64_t rows, int64_t col_begin, int64_t phases, int64_t phase_len, A* out) {
+void fill_padded_rows(const CpuLoops<A>& isa, const T* plane, int64_t source_rows,
+                      int64_t source_cols, int64_t row_begin, int64_t rows, int64_t col_begin,
+                      int64_t phases, int64_t phase_len, A* out) {
   const int64_t width = phases * phase_len;
   const int64_t inside_begin = std::clamp<int64_t>(-col_begin, 0, width);
   const int64_t inside_end = std::clamp<int64_t>(source_cols - col_begin, inside_begin, width);
-  for (int64_t t = 0; t < rows; ++t) {
-    A* row = out + t * width;
-    const int64_t source_row = row_begin + t;
-    if (source_row < 0 || source_row >= source_rows) {
-      std::fill(row, row + width, A(0));
-      continue;
+  // Rows above and below the source are zeros.
+  const int64_t first = std::clamp<int64_t>(-row_begin, 0, rows);
+  const int64_t last = std::clamp<int64_t>(source_rows - row_begin, first, rows);
+  std::fill(out, out + first * width, A(0));
+  std::fill(out + last * width, out + rows * width, A(0));
+  if constexpr (std::is_same_v<T, A>) {
+    if (phases == 1) {
+      isa.copy_padded_rows(plane + (row_begin + first) * source_cols + col_begin + inside_begin,
+                           source_cols, last - first, inside_begin, inside_end - inside_begin,
+                           width, out + first * width);
+      return;
     }
-    const T* in = plane + source_row * source_cols + col_begin;
+  }
+  for (int64_t t = first; t < last; ++t) {
+    A* row = out + t * width;
+    const T* in = plane + (row_begin + t) * source_cols + col_begin;
     if (phases == 1) {
       std::fill(row, row + inside_begin, A(0));
-      if constexpr (std::is_same_v<T, A>) {
-        std::copy(in + inside_begin, in + inside_end, row + inside_begin);
-      } else {
-        for (int64_t j = inside_begin; j < inside_end; ++j) row[j] = to_acc(in[j]);
-      }
+      for (int64_t j = inside_begin; j < inside_end; ++j) row[j] = to_acc(in[j]);
       std::fill(row + inside_end, row + width, A(0));
     } else {
       std::fill(row, row + width, A(0));
@@ -309,7 +316,7 @@ void run_stencil_pass(const StencilPass<T>& s) {
       const int64_t b1 = std::min(b0 + band, phase_rows);
       const int64_t rows = band_source_rows(b1 - b0);
       for (int64_t i = 0; i < Ig; ++i)
-        fill_padded_rows(s.source + ((n * s.groups + g) * Ig + i) * s.rows.source * s.cols.source,
+        fill_padded_rows(isa, s.source + ((n * s.groups + g) * Ig + i) * s.rows.source * s.cols.source,
                          s.rows.source, s.cols.source, b0 * rs + row_min, rows, col_min, cs,
                          phase_len, buffer.data() + i * rows * row_pitch);
       T* out_group = s.out + (n * s.groups + g) * Og * out_plane;
@@ -371,62 +378,77 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   const int64_t Kg = p.filters_per_group(), Cg = p.channels_per_group(), RS = p.R * p.S;
   const int64_t weights = p.K * Cg * RS;
   if (weights == 0) return;
+  const int64_t cols = round_up(p.Q, isa.lanes);
   // Images are reduced in slices fixed by the shapes (never by the thread count), then the
-  // slices are added in order.
-  int64_t slices = std::min<int64_t>(p.N, std::max<int64_t>(1, 16 / p.groups));
-  slices = std::max<int64_t>(1, std::min(slices, (int64_t(1) << 24) / weights));
-  const int64_t per_slice = std::max<int64_t>(1, ceil_div(p.N, slices));
-  slices = std::max<int64_t>(1, ceil_div(p.N, per_slice));
+  // slices are added in order. A slice spans at least 4096 output positions, so that the
+  // vector lanes' final sums cost little.
+  const int64_t wanted = std::max<int64_t>(1, ceil_div(4096, std::max<int64_t>(p.P * cols, 1)));
+  int64_t per_slice = std::clamp<int64_t>(wanted, 1, std::max<int64_t>(p.N, 1));
+  per_slice = std::max(per_slice, ceil_div(p.N, std::max<int64_t>(1, (int64_t(1) << 24) / weights)));
+  const int64_t slices = std::max<int64_t>(1, ceil_div(p.N, per_slice));
   std::vector<A> partial(slices * weights, A(0));
 
-  const int64_t cols = round_up(p.Q, isa.lanes);
   const int64_t x_rows = std::max<int64_t>(0, (p.P - 1) * p.stride_h + (p.R - 1) * p.dilation_h + 1);
   const int64_t phase_len = cols + ((p.S - 1) * p.dilation_w) / p.stride_w + 1;
   const int64_t x_row_pitch = p.stride_w * phase_len;
-  std::vector<int64_t> col_offset(p.S);
-  for (int64_t s = 0; s < p.S; ++s)
-    col_offset[s] = ((s * p.dilation_w) % p.stride_w) * phase_len + (s * p.dilation_w) / p.stride_w;
-
   const int64_t x_plane = x_rows * x_row_pitch, dy_plane = p.P * cols;
-  const int64_t work = std::max<int64_t>(1, per_slice * Kg * Cg * RS * p.P * p.Q);
-  parallel_for(slices * p.groups, std::max<int64_t>(1, (int64_t(1) << 16) / work),
+  // Input channels staged together: about 1 MiB of planes, and blocks enough for 16 work items.
+  const int64_t channel_blocks = std::clamp<int64_t>(ceil_div(16, slices * p.groups), 1, Cg);
+  const int64_t channel_block = std::clamp<int64_t>(
+      std::min((int64_t(1) << 20) / int64_t(sizeof(A)) / std::max<int64_t>(per_slice * x_plane, 1),
+               ceil_div(Cg, channel_blocks)),
+      1, Cg);
+  const int64_t blocks = ceil_div(Cg, channel_block);
+  std::vector<int64_t> column_offset(channel_block * RS);
+  for (int64_t c = 0; c < channel_block; ++c)
+    for (int64_t r = 0; r < p.R; ++r)
+      for (int64_t s = 0; s < p.S; ++s)
+        column_offset[(c * p.R + r) * p.S + s] =
+            c * x_plane + r * p.dilation_h * x_row_pitch +
+            ((s * p.dilation_w) % p.stride_w) * phase_len + (s * p.dilation_w) / p.stride_w;
+
+  const int64_t work = std::max<int64_t>(1, per_slice * Kg * channel_block * RS * p.P * p.Q);
+  parallel_for(slices * p.groups * blocks, std::max<int64_t>(1, (int64_t(1) << 16) / work),
                [&](int64_t begin, int64_t end) {
-    std::vector<A> x_buffer(per_slice * x_plane);
+    std::vector<A> x_buffer(per_slice * channel_block * x_plane);
     std::vector<A> dy_buffer(per_slice * Kg * dy_plane, A(0));
+    int64_t staged = -1;  // the (slice, group) whose dy is in dy_buffer
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t slice = item / p.groups, g = item % p.groups;
+      const int64_t slice = item / (p.groups * blocks), g = item / blocks % p.groups;
+      const int64_t c0 = item % blocks * channel_block;
       const int64_t first = slice * per_slice, images = std::min(p.N, first + per_slice) - first;
-      for (int64_t n = 0; n < images; ++n)
-        for (int64_t k = 0; k < Kg; ++k)
-          for (int64_t row = 0; row < p.P; ++row) {
-            const T* in = dy + ((((first + n) * p.K) + g * Kg + k) * p.P + row) * p.Q;
-            A* out = dy_buffer.data() + ((n * Kg + k) * p.P + row) * cols;
-            for (int64_t q = 0; q < p.Q; ++q) out[q] = to_acc(in[q]);
-          }
-      for (int64_t c = 0; c < Cg; ++c) {
+      if (staged != item / blocks) {
+        staged = item / blocks;
         for (int64_t n = 0; n < images; ++n)
-          fill_padded_rows(x + (((first + n) * p.C) + g * Cg + c) * p.H * p.W, p.H, p.W,
-                           -p.pad_top, x_rows, -p.pad_left, p.stride_w, phase_len,
-                           x_buffer.data() + n * x_plane);
-        WeightGradientPlane<A> plane;
-        plane.x = x_buffer.data();
-        plane.x_image_pitch = x_plane;
-        plane.x_row_pitch = x_row_pitch;
-        plane.row_step = p.stride_h;
-        plane.row_dilation = p.dilation_h;
-        plane.col_offset = col_offset.data();
-        plane.dy = dy_buffer.data();
-        plane.dy_image_pitch = Kg * dy_plane;
-        plane.dy_channel_pitch = dy_plane;
-        plane.dy_row_pitch = cols;
-        plane.images = images;
-        plane.rows = p.P;
-        plane.cols = cols;
-        plane.R = p.R;
-        plane.S = p.S;
-        isa.weight_gradient(plane, Kg, partial.data() + slice * weights + (g * Kg * Cg + c) * RS,
-                            Cg * RS);
+          for (int64_t k = 0; k < Kg; ++k)
+            for (int64_t row = 0; row < p.P; ++row) {
+              const T* in = dy + ((((first + n) * p.K) + g * Kg + k) * p.P + row) * p.Q;
+              A* out = dy_buffer.data() + ((n * Kg + k) * p.P + row) * cols;
+              for (int64_t q = 0; q < p.Q; ++q) out[q] = to_acc(in[q]);
+            }
       }
+      const int64_t channels = std::min(channel_block, Cg - c0);
+      for (int64_t n = 0; n < images; ++n)
+        for (int64_t c = 0; c < channels; ++c)
+          fill_padded_rows(isa, x + (((first + n) * p.C) + g * Cg + c0 + c) * p.H * p.W, p.H,
+                           p.W, -p.pad_top, x_rows, -p.pad_left, p.stride_w, phase_len,
+                           x_buffer.data() + (n * channel_block + c) * x_plane);
+      WeightGradientBlock<A> block;
+      block.x = x_buffer.data();
+      block.x_image_pitch = channel_block * x_plane;
+      block.x_row_pitch = x_row_pitch;
+      block.row_step = p.stride_h;
+      block.columns = channels * RS;
+      block.column_offset = column_offset.data();
+      block.dy = dy_buffer.data();
+      block.dy_image_pitch = Kg * dy_plane;
+      block.dy_channel_pitch = dy_plane;
+      block.dy_row_pitch = cols;
+      block.images = images;
+      block.rows = p.P;
+      block.cols = cols;
+      isa.weight_gradient(block, Kg, partial.data() + slice * weights + (g * Kg * Cg + c0) * RS,
+                          Cg * RS);
     }
   });
   parallel_for(weights, 1 << 14, [&](int64_t begin, int64_t end) {
