@@ -135,7 +135,8 @@ def _int(name: str, value: Any) -> int:
     try:
         return operator.index(value)
     except TypeError:
-        raise TypeError(f"{_OP}(): `{name}` must be an int or a pair of ints, got {value!r}") from None
+        raise TypeError(
+            f"{_OP}(): `{name}` must be an int or a pair of ints, got {value!r}") from None
 
 
 def _pair(name: str, value: Any) -> tuple[int, int]:

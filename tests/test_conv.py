@@ -38,7 +38,8 @@ def torch_conv(x, w, b, dy, device="cpu", dtype=None, **options):
     ty = torch.nn.functional.conv2d(tx, tw, tb, **options)
     ty.backward(to_torch(dy, dtype).to(device))
     grads = (tx.grad, tw.grad, tb.grad if tb is not None else None)
-    return (from_torch(ty.cpu()),) + tuple(None if g is None else from_torch(g.cpu()) for g in grads)
+    grads = tuple(None if g is None else from_torch(g.cpu()) for g in grads)
+    return (from_torch(ty.cpu()),) + grads
 
 
 def jk_conv(x, w, b, dy, **options):
@@ -67,7 +68,8 @@ def operands(seed, shape_x, shape_w, bias, dtype, options):
 GEOMETRIES = [
     ((2, 3, 7, 9), (4, 3, 3, 3), dict(), True),
     ((2, 3, 8, 8), (5, 3, 3, 3), dict(padding=1), True),
-    ((1, 4, 11, 10), (6, 2, 3, 2), dict(stride=(2, 3), padding=(1, 2), dilation=(2, 1), groups=2), True),
+    ((1, 4, 11, 10), (6, 2, 3, 2),
+     dict(stride=(2, 3), padding=(1, 2), dilation=(2, 1), groups=2), True),
     ((2, 5, 13, 12), (4, 5, 1, 1), dict(), False),
     ((1, 8, 9, 9), (16, 8, 1, 1), dict(stride=2), True),
     ((2, 4, 9, 11), (6, 4, 4, 4), dict(padding="same"), True),
@@ -93,7 +95,8 @@ GEOMETRIES = [
 def _id(geometry):
     shape_x, shape_w, options, bias = geometry
     text = "x" + "x".join(map(str, shape_x)) + "-w" + "x".join(map(str, shape_w))
-    return text + "".join(f"-{k}{v}" for k, v in options.items()).replace(" ", "") + ("-b" if bias else "")
+    text += "".join(f"-{k}{v}" for k, v in options.items()).replace(" ", "")
+    return text + ("-b" if bias else "")
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=_id)
@@ -197,8 +200,8 @@ def _reference(x, w, b, **options):
 BATCH_OPTIONS = dict(stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=2)
 
 
-@pytest.mark.parametrize("in_axes", [(0, None, None), (None, 0, None), (None, None, 0), (0, 0, None),
-                                     (0, 0, 0), (None, 0, 0), (0, None, 0)])
+@pytest.mark.parametrize("in_axes", [(0, None, None), (None, 0, None), (None, None, 0),
+                                     (0, 0, None), (0, 0, 0), (None, 0, 0), (0, None, 0)])
 def test_vmap_and_vmap_of_grad(in_axes):
     B = 3
     full = (random(10, (B, 2, 4, 9, 8), jnp.float64), random(11, (B, 6, 2, 3, 3), jnp.float64),

@@ -36,8 +36,8 @@ struct StencilTile {
   const int64_t* row_offset;  // per live row tap: the buffer row read by output row 0
   const int64_t* col_offset;  // per live column tap: the element read by output column 0
   bool sliding;               // row_step 1 and consecutive row offsets: rows share loads
-  const A* weights;           // per block of output channels (see channel_blocks):
-                              // [channel][row tap][col tap][channel of the block]
+  const A* weights;           // per block of output channels (see channel_block()):
+                              // [source channel][row tap][col tap][output channel of the block]
   int64_t weight_stride;      // elements per output channel in `weights`
 };
 
@@ -134,7 +134,7 @@ const CpuLoops<A>& loops() {
   return selected;
 }
 
-// ---- Buffers -------------------------------------------------------------------------------------
+// ---- Buffers ------------------------------------------------------------------------------------
 
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
@@ -176,7 +176,7 @@ void fill_padded_rows(const CpuLoops<A>& isa, const T* plane, int64_t source_row
   }
 }
 
-// ---- Forward and backward data: one stencil pass -------------------------------------------------
+// ---- Forward and backward data: one stencil pass ------------------------------------------------
 
 // The size of the next block of output channels when `remaining` are left: the stencil loops
 // take them `wide` at a time, then 4, then 1.
@@ -218,7 +218,8 @@ struct StencilPass {
 template <class T>
 void run_stencil_pass(const StencilPass<T>& s) {
   using A = acc_t<T>;
-  constexpr int64_t kSlidingRows = 8;  // conv_loops.inc's largest row block (buffers hold whole blocks)
+  constexpr int64_t kSlidingRows = 8;  // conv_loops.inc's largest row block: buffers hold whole
+                                       // blocks
   const CpuLoops<A>& isa = loops<A>();
   const int64_t Ig = s.in_per_group, Og = s.out_per_group;
   const std::vector<PhaseTaps> row_phases = phase_taps(s.rows), col_phases = phase_taps(s.cols);
@@ -228,11 +229,17 @@ void run_stencil_pass(const StencilPass<T>& s) {
   int64_t row_min = INT64_MAX, row_max = INT64_MIN, col_min = INT64_MAX, col_max = INT64_MIN;
   int64_t phase_rows = 0, phase_cols = 0;
   for (int64_t py = 0; py < up_y; ++py) {
-    for (int64_t off : row_phases[py].offset) row_min = std::min(row_min, off), row_max = std::max(row_max, off);
+    for (int64_t off : row_phases[py].offset) {
+      row_min = std::min(row_min, off);
+      row_max = std::max(row_max, off);
+    }
     phase_rows = std::max(phase_rows, s.rows.phase_outputs(py));
   }
   for (int64_t px = 0; px < up_x; ++px) {
-    for (int64_t off : col_phases[px].offset) col_min = std::min(col_min, off), col_max = std::max(col_max, off);
+    for (int64_t off : col_phases[px].offset) {
+      col_min = std::min(col_min, off);
+      col_max = std::max(col_max, off);
+    }
     phase_cols = std::max(phase_cols, s.cols.phase_outputs(px));
   }
 
@@ -255,7 +262,8 @@ void run_stencil_pass(const StencilPass<T>& s) {
     sliding[py] = consecutive;
   }
 
-  // The weights of each (group, row phase, column phase): [o][i][live row tap][live col tap].
+  // The weights of each (group, row phase, column phase), per block of output channels:
+  // [i][live row tap][live col tap][output channel of the block].
   std::vector<int64_t> phase_base(up_y * up_x + 1, 0);
   for (int64_t py = 0; py < up_y; ++py)
     for (int64_t px = 0; px < up_x; ++px)
@@ -305,7 +313,8 @@ void run_stencil_pass(const StencilPass<T>& s) {
 
   const int64_t items = s.N * s.groups * bands;
   const int64_t work = std::max<int64_t>(1, Og * Ig * band * out_cols * s.rows.taps * s.cols.taps);
-  parallel_for(items, std::max<int64_t>(1, (int64_t(1) << 16) / work), [&](int64_t begin, int64_t end) {
+  parallel_for(items, std::max<int64_t>(1, (int64_t(1) << 16) / work),
+               [&](int64_t begin, int64_t end) {
     const int64_t buffer_rows = band_source_rows(band);
     std::vector<A> buffer(std::max<int64_t>(Ig, 1) * buffer_rows * row_pitch);
     std::vector<A> staged(kStaged ? Og * band * up_y * out_cols : 0);
@@ -315,8 +324,9 @@ void run_stencil_pass(const StencilPass<T>& s) {
       const int64_t b0 = item % bands * band;
       const int64_t b1 = std::min(b0 + band, phase_rows);
       const int64_t rows = band_source_rows(b1 - b0);
+      const int64_t source_plane = s.rows.source * s.cols.source;
       for (int64_t i = 0; i < Ig; ++i)
-        fill_padded_rows(isa, s.source + ((n * s.groups + g) * Ig + i) * s.rows.source * s.cols.source,
+        fill_padded_rows(isa, s.source + ((n * s.groups + g) * Ig + i) * source_plane,
                          s.rows.source, s.cols.source, b0 * rs + row_min, rows, col_min, cs,
                          phase_len, buffer.data() + i * rows * row_pitch);
       T* out_group = s.out + (n * s.groups + g) * Og * out_plane;
@@ -369,7 +379,7 @@ void run_stencil_pass(const StencilPass<T>& s) {
   });
 }
 
-// ---- Backward weight -----------------------------------------------------------------------------
+// ---- Backward weight ----------------------------------------------------------------------------
 
 template <class T>
 void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
@@ -384,11 +394,13 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   // vector lanes' final sums cost little.
   const int64_t wanted = std::max<int64_t>(1, ceil_div(4096, std::max<int64_t>(p.P * cols, 1)));
   int64_t per_slice = std::clamp<int64_t>(wanted, 1, std::max<int64_t>(p.N, 1));
-  per_slice = std::max(per_slice, ceil_div(p.N, std::max<int64_t>(1, (int64_t(1) << 24) / weights)));
+  const int64_t max_slices = std::max<int64_t>(1, (int64_t(1) << 24) / weights);  // bounds memory
+  per_slice = std::max(per_slice, ceil_div(p.N, max_slices));
   const int64_t slices = std::max<int64_t>(1, ceil_div(p.N, per_slice));
   std::vector<A> partial(slices * weights, A(0));
 
-  const int64_t x_rows = std::max<int64_t>(0, (p.P - 1) * p.stride_h + (p.R - 1) * p.dilation_h + 1);
+  const int64_t x_rows =
+      std::max<int64_t>(0, (p.P - 1) * p.stride_h + (p.R - 1) * p.dilation_h + 1);
   const int64_t phase_len = cols + ((p.S - 1) * p.dilation_w) / p.stride_w + 1;
   const int64_t x_row_pitch = p.stride_w * phase_len;
   const int64_t x_plane = x_rows * x_row_pitch, dy_plane = p.P * cols;
@@ -460,7 +472,7 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   });
 }
 
-// ---- Bias gradient -------------------------------------------------------------------------------
+// ---- Bias gradient ------------------------------------------------------------------------------
 
 // db[b, k] = sum over n, p, q of dy[b, n, k, p, q], in 16 interleaved partial sums.
 template <class T>
@@ -468,7 +480,8 @@ void run_bias_gradient(const T* dy, T* db, int64_t batch, int64_t N, int64_t K, 
   using A = acc_t<T>;
   constexpr int kLanes = 16;
   const int64_t work = std::max<int64_t>(1, N * plane);
-  parallel_for(batch * K, std::max<int64_t>(1, (int64_t(1) << 15) / work), [&](int64_t begin, int64_t end) {
+  parallel_for(batch * K, std::max<int64_t>(1, (int64_t(1) << 15) / work),
+               [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / K, k = item % K;
       A lanes[kLanes] = {};
@@ -486,7 +499,7 @@ void run_bias_gradient(const T* dy, T* db, int64_t batch, int64_t N, int64_t K, 
   });
 }
 
-// ---- Handlers ------------------------------------------------------------------------------------
+// ---- Handlers -----------------------------------------------------------------------------------
 
 struct ConvAttributes {
   int64_t stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w, groups;
@@ -496,7 +509,8 @@ struct ConvAttributes {
 // [N, K, P, Q], all of one element type.
 ffi::Error read_problem(const char* op, const ffi::AnyBuffer& in, const ffi::AnyBuffer& weight,
                         const ffi::AnyBuffer& out, const ConvAttributes& a, ConvProblem* p) {
-  if (in.dimensions().size() != 4 || weight.dimensions().size() != 4 || out.dimensions().size() != 4)
+  if (in.dimensions().size() != 4 || weight.dimensions().size() != 4 ||
+      out.dimensions().size() != 4)
     return ffi::Error::InvalidArgument(std::string(op) + ": expected 4-D operands");
   if (in.element_type() != weight.element_type() || in.element_type() != out.element_type())
     return ffi::Error::InvalidArgument(std::string(op) + ": operands differ in element type");
@@ -566,7 +580,8 @@ ffi::Error conv2d_backward_weight(ffi::AnyBuffer dy, ffi::AnyBuffer x,
   return dispatch_float(dy.element_type(), "conv2d wgrad", [&](auto tag) {
     using T = typename decltype(tag)::type;
     run_weight_gradient(static_cast<const T*>(dy.untyped_data()),
-                        static_cast<const T*>(x.untyped_data()), static_cast<T*>(dw->untyped_data()), p);
+                        static_cast<const T*>(x.untyped_data()),
+                        static_cast<T*>(dw->untyped_data()), p);
     return ffi::Error::Success();
   });
 }
@@ -578,7 +593,8 @@ ffi::Error conv2d_backward_bias(ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> d
   if ((rank != 4 && rank != 5) || db->dimensions().size() != rank - 3 ||
       db->dimensions().back() != d[rank - 3] || (rank == 5 && db->dimensions()[0] != d[0]) ||
       db->element_type() != dy.element_type())
-    return ffi::Error::InvalidArgument("conv2d bias gradient: expected dy [(B,) N, K, P, Q] and db [(B,) K]");
+    return ffi::Error::InvalidArgument(
+        "conv2d bias gradient: expected dy [(B,) N, K, P, Q] and db [(B,) K]");
   if (db->element_count() == 0) return ffi::Error::Success();
   const int64_t batch = rank == 5 ? d[0] : 1;
   return dispatch_float(dy.element_type(), "conv2d bias gradient", [&](auto tag) {

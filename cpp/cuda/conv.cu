@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     stencil_global_kernel(const T* __restrict__ source, const T* __restrict__ weight,
                           const T* __restrict__ bias, T* __restrict__ out, const StencilGrid G) {
   using A = acc_t<T>;
-  const int64_t out_plane = G.rows.out * G.cols.out;
+  const int64_t out_plane = G.rows.out * G.cols.out, source_plane = G.rows.source * G.cols.source;
   const int64_t count = G.planes * out_plane;
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < count;
        e += int64_t(gridDim.x) * blockDim.x) {
@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     const int64_t g = oc / G.out_per_group, o = oc % G.out_per_group;
     A acc = bias != nullptr ? to_acc(bias[oc]) : A(0);
     for (int64_t i = 0; i < G.in_per_group; ++i) {
-      const T* src = source + (n * G.in_channels + g * G.in_per_group + i) * G.rows.source * G.cols.source;
+      const T* src = source + (n * G.in_channels + g * G.in_per_group + i) * source_plane;
       const T* w = weight + G.weights.offset(g, o, i, 0, 0);
       for (int64_t r = 0; r < G.rows.taps; ++r) {
         const int64_t row = sample_of(G.rows, G.rows.position(y, r));
@@ -196,7 +196,8 @@ __global__ void __launch_bounds__(kMaxThreads)
         for (int64_t s = 0; s < G.cols.taps; ++s) {
           const int64_t col = sample_of(G.cols, G.cols.position(x, s));
           if (col >= 0)
-            acc += to_acc(w[r * G.weights.row + s * G.weights.col]) * to_acc(src[row * G.cols.source + col]);
+            acc += to_acc(w[r * G.weights.row + s * G.weights.col]) *
+                   to_acc(src[row * G.cols.source + col]);
         }
       }
     }
@@ -245,7 +246,8 @@ void launch_stencil_kernel(cudaStream_t stream, const T* source, const T* weight
                            T* out, const StencilGrid& G, size_t shared) {
   const int threads = int(round_up(int64_t(G.bx) * G.by * G.bz, 32));
   const unsigned blocks = unsigned(std::min<int64_t>(G.blocks, int64_t(1) << 30));
-  stencil_kernel<T, kTaps, kRows><<<blocks, threads, shared, stream>>>(source, weight, bias, out, G);
+  stencil_kernel<T, kTaps, kRows>
+      <<<blocks, threads, shared, stream>>>(source, weight, bias, out, G);
 }
 
 template <class T>
@@ -262,14 +264,17 @@ ffi::Error run_stencil(cudaStream_t stream, const char* op, const T* source, con
     G.by = t.by;
     G.tiles_x = t.tiles_x;
     G.tiles_y = t.tiles_y;
-    const int64_t src_rows = (int64_t(t.by) * rows - 1) * G.rows.stride + (G.rows.taps - 1) * G.rows.dilation + 1;
-    const int64_t src_cols = (int64_t(t.bx) - 1) * G.cols.stride + (G.cols.taps - 1) * G.cols.dilation + 1;
+    const int64_t src_rows =
+        (int64_t(t.by) * rows - 1) * G.rows.stride + (G.rows.taps - 1) * G.rows.dilation + 1;
+    const int64_t src_cols =
+        (int64_t(t.bx) - 1) * G.cols.stride + (G.cols.taps - 1) * G.cols.dilation + 1;
     const int64_t tile_bytes = src_rows * src_cols * int64_t(sizeof(A));
     if (tile_bytes > kSharedBytes) continue;
     G.src_rows = int(src_rows);
     G.src_cols = int(src_cols);
     // Small tiles: several planes per block, so that blocks have at least 128 threads.
-    G.bz = int(std::clamp<int64_t>(128 / (int64_t(t.bx) * t.by), 1, std::min<int64_t>(G.planes, kSharedBytes / tile_bytes)));
+    G.bz = int(std::clamp<int64_t>(128 / (int64_t(t.bx) * t.by), 1,
+                                   std::min<int64_t>(G.planes, kSharedBytes / tile_bytes)));
     G.blocks = ceil_div(G.planes, G.bz) * G.tiles_x * G.tiles_y;
     const size_t shared = size_t(G.bz) * size_t(tile_bytes);
     if (taps == 0) {
@@ -285,8 +290,8 @@ ffi::Error run_stencil(cudaStream_t stream, const char* op, const T* source, con
     }
     return launch_status(op);
   }
-  stencil_global_kernel<T><<<grid_blocks(G.planes * G.rows.out * G.cols.out, kMaxThreads), kMaxThreads, 0, stream>>>(
-      source, weight, bias, out, G);
+  const unsigned blocks = grid_blocks(G.planes * G.rows.out * G.cols.out, kMaxThreads);
+  stencil_global_kernel<T><<<blocks, kMaxThreads, 0, stream>>>(source, weight, bias, out, G);
   return launch_status(op);
 }
 
@@ -326,8 +331,8 @@ struct WgradGrid {
 // every image of the slice; the x tile (with its halo) is staged in shared memory.
 template <class T, int kTaps, int kRows>
 __global__ void __launch_bounds__(kMaxThreads)
-    wgrad_partial_kernel(const T* __restrict__ dy, const T* __restrict__ x, acc_t<T>* __restrict__ partial,
-                         const WgradGrid G) {
+    wgrad_partial_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                         acc_t<T>* __restrict__ partial, const WgradGrid G) {
   using A = acc_t<T>;
   extern __shared__ __align__(16) unsigned char shared_memory[];
   A* tile = reinterpret_cast<A*>(shared_memory);
@@ -358,7 +363,8 @@ __global__ void __launch_bounds__(kMaxThreads)
           int a = tid / G.src_cols, cc = tid % G.src_cols;
           for (int e = tid; e < tile_size && thread_live; e += plane_threads) {
             const int64_t row = y0 - p.pad_top + a, col = x0 - p.pad_left + cc;
-            tile[e] = (row >= 0 && row < p.H && col >= 0 && col < p.W) ? to_acc(x_plane[row * p.W + col]) : A(0);
+            const bool inside = row >= 0 && row < p.H && col >= 0 && col < p.W;
+            tile[e] = inside ? to_acc(x_plane[row * p.W + col]) : A(0);
             a += step_rows;
             cc += step_cols;
             if (cc >= G.src_cols) cc -= G.src_cols, ++a;
@@ -423,7 +429,8 @@ __global__ void __launch_bounds__(kMaxThreads)
         const int64_t tap = tap0 + t;
         if (tap < RS) {
           const int64_t row = p.input_row(oy, tap / p.S), col = p.input_col(ox, tap % p.S);
-          if (row >= 0 && row < p.H && col >= 0 && col < p.W) acc[t] += d * to_acc(x_plane[row * p.W + col]);
+          if (row >= 0 && row < p.H && col >= 0 && col < p.W)
+            acc[t] += d * to_acc(x_plane[row * p.W + col]);
         }
       }
     }
@@ -500,7 +507,8 @@ ffi::Error run_wgrad(cudaStream_t stream, const T* dy, const T* x, T* dw, const 
     }
     if (!launched) {
       G.tap_chunks = ceil_div(p.R * p.S, kGenericTaps);
-      const unsigned blocks = unsigned(std::min<int64_t>(G.slices * G.pairs * G.tap_chunks, int64_t(1) << 30));
+      const int64_t wanted = G.slices * G.pairs * G.tap_chunks;
+      const unsigned blocks = unsigned(std::min<int64_t>(wanted, int64_t(1) << 30));
       wgrad_partial_generic_kernel<T><<<blocks, kMaxThreads, 0, stream>>>(dy, x, partial, G);
     }
   }
@@ -584,7 +592,8 @@ struct ConvAttributes {
 
 ffi::Error read_problem(const char* op, const ffi::AnyBuffer& in, const ffi::AnyBuffer& weight,
                         const ffi::AnyBuffer& out, const ConvAttributes& a, ConvProblem* p) {
-  if (in.dimensions().size() != 4 || weight.dimensions().size() != 4 || out.dimensions().size() != 4)
+  if (in.dimensions().size() != 4 || weight.dimensions().size() != 4 ||
+      out.dimensions().size() != 4)
     return ffi::Error::InvalidArgument(std::string(op) + ": expected 4-D operands");
   if (in.element_type() != weight.element_type() || in.element_type() != out.element_type())
     return ffi::Error::InvalidArgument(std::string(op) + ": operands differ in element type");
@@ -625,7 +634,8 @@ ffi::Error conv2d_forward(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
                           ffi::Result<ffi::AnyBuffer> scratch, int64_t stride_h, int64_t stride_w,
                           int64_t pad_top, int64_t pad_left, int64_t dilation_h,
                           int64_t dilation_w, int64_t groups, int64_t precision) {
-  const ConvAttributes a{stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w, groups, precision};
+  const ConvAttributes a{stride_h,   stride_w,   pad_top, pad_left,
+                         dilation_h, dilation_w, groups,  precision};
   ConvProblem p;
   if (auto error = read_problem("conv2d", x, w, *y, a, &p); error.failure()) return error;
   const bool has_bias = bias.element_count() > 0;
@@ -663,7 +673,8 @@ ffi::Error conv2d_backward_input(cudaStream_t stream, ffi::AnyBuffer dy, ffi::An
                                  int64_t stride_w, int64_t pad_top, int64_t pad_left,
                                  int64_t dilation_h, int64_t dilation_w, int64_t groups,
                                  int64_t precision) {
-  const ConvAttributes a{stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w, groups, precision};
+  const ConvAttributes a{stride_h,   stride_w,   pad_top, pad_left,
+                         dilation_h, dilation_w, groups,  precision};
   ConvProblem p;
   if (auto error = read_problem("conv2d dgrad", *dx, w, dy, a, &p); error.failure()) return error;
   if (dx->element_count() == 0) return ffi::Error::Success();
@@ -696,7 +707,8 @@ ffi::Error conv2d_backward_weight(cudaStream_t stream, ffi::AnyBuffer dy, ffi::A
                                   int64_t stride_w, int64_t pad_top, int64_t pad_left,
                                   int64_t dilation_h, int64_t dilation_w, int64_t groups,
                                   int64_t precision) {
-  const ConvAttributes a{stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w, groups, precision};
+  const ConvAttributes a{stride_h,   stride_w,   pad_top, pad_left,
+                         dilation_h, dilation_w, groups,  precision};
   ConvProblem p;
   if (auto error = read_problem("conv2d wgrad", x, *dw, dy, a, &p); error.failure()) return error;
   if (dw->element_count() == 0) return ffi::Error::Success();
@@ -709,8 +721,9 @@ ffi::Error conv2d_backward_weight(cudaStream_t stream, ffi::AnyBuffer dy, ffi::A
   return dispatch_float(dy.element_type(), "conv2d wgrad", [&](auto tag) {
     using T = typename decltype(tag)::type;
     return run_wgrad<T>(stream, static_cast<const T*>(dy.untyped_data()),
-                        static_cast<const T*>(x.untyped_data()), static_cast<T*>(dw->untyped_data()),
-                        p, scratch->untyped_data(), int64_t(scratch->size_bytes()));
+                        static_cast<const T*>(x.untyped_data()),
+                        static_cast<T*>(dw->untyped_data()), p, scratch->untyped_data(),
+                        int64_t(scratch->size_bytes()));
   });
 }
 
@@ -722,7 +735,8 @@ ffi::Error conv2d_backward_bias(cudaStream_t stream, ffi::AnyBuffer dy,
   if ((rank != 4 && rank != 5) || db->dimensions().size() != rank - 3 ||
       db->dimensions().back() != d[rank - 3] || (rank == 5 && db->dimensions()[0] != d[0]) ||
       db->element_type() != dy.element_type())
-    return ffi::Error::InvalidArgument("conv2d bias gradient: expected dy [(B,) N, K, P, Q] and db [(B,) K]");
+    return ffi::Error::InvalidArgument(
+        "conv2d bias gradient: expected dy [(B,) N, K, P, Q] and db [(B,) K]");
   const int64_t outputs = int64_t(db->element_count());
   if (outputs == 0) return ffi::Error::Success();
   return dispatch_float(dy.element_type(), "conv2d bias gradient", [&](auto tag) {
@@ -771,13 +785,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Conv2dBackwardWeightCuda, conv2d_backward_weight,
                                   .Ret<ffi::AnyBuffer>() JK_CONV2D_ATTRIBUTES,
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Conv2dBackwardBiasCuda, conv2d_backward_bias,
-                              ffi::Ffi::Bind().Ctx<Stream>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 JK_REGISTER_TARGET("jk_conv2d_fwd", Conv2dForwardCuda, "conv2d", "forward",
-                   "cuda tensor-core implicit GEMM where it applies, else direct stencil", "bitwise");
+                   "cuda tensor-core implicit GEMM where it applies, else direct stencil",
+                   "bitwise");
 JK_REGISTER_TARGET("jk_conv2d_bwd_input", Conv2dBackwardInputCuda, "conv2d", "backward d_input",
-                   "cuda tensor-core implicit GEMM where it applies, else direct stencil", "bitwise");
+                   "cuda tensor-core implicit GEMM where it applies, else direct stencil",
+                   "bitwise");
 JK_REGISTER_TARGET("jk_conv2d_bwd_weight", Conv2dBackwardWeightCuda, "conv2d",
                    "backward d_weight",
                    "cuda tensor-core implicit GEMM where it applies, else two-pass reduction",
