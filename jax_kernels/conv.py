@@ -297,6 +297,8 @@ def _forward_call(conv: _Conv):
     @forward.def_vmap
     def forward_batched(batch, in_batched, x, w, b):
         x_batched, w_batched, b_batched = in_batched
+        if b.shape[-1] == 0:  # no bias (or no filters): nothing to batch
+            b, b_batched = jnp.zeros((0,), x.dtype), False
         if not (w_batched or b_batched):
             if not x_batched:
                 return forward(x, w, b), False
