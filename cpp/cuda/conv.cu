@@ -41,6 +41,37 @@ __device__ __forceinline__ int64_t sample_of(const StencilAxis& a, int64_t u) {
   return a.sample(u);
 }
 
+// Stages rows x cols elements of a source plane into `tile` (row-major): tile element (a, c)
+// is the upsampled source at (u0 + a, v0 + c), zero outside. Each thread issues kInFlight
+// independent loads before storing any of them, so that loads overlap instead of each waiting
+// for the one before.
+template <class T, class A>
+__device__ __forceinline__ void stage_tile(A* tile, const T* __restrict__ src,
+                                           const StencilAxis& rows, const StencilAxis& cols,
+                                           int64_t u0, int64_t v0, int tile_rows, int tile_cols,
+                                           int tid, int threads) {
+  constexpr int kInFlight = 8;
+  const int size = tile_rows * tile_cols;
+  // Walk the tile without divisions: each step moves `threads` elements.
+  const int step_rows = threads / tile_cols, step_cols = threads % tile_cols;
+  int a = tid / tile_cols, c = tid % tile_cols;
+  for (int e0 = tid; e0 < size; e0 += kInFlight * threads) {
+    A v[kInFlight];
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) {
+      const int64_t row = sample_of(rows, u0 + a), col = sample_of(cols, v0 + c);
+      const bool inside = e0 + k * threads < size && row >= 0 && col >= 0;
+      v[k] = inside ? to_acc(src[row * cols.source + col]) : A(0);
+      a += step_rows;
+      c += step_cols;
+      if (c >= tile_cols) c -= tile_cols, ++a;
+    }
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k)
+      if (e0 + k * threads < size) tile[e0 + k * threads] = v[k];
+  }
+}
+
 // Sums v[t] over the block's threads in a fixed order (a shuffle tree within each warp, then
 // the warps in order) and stores sum t at out[t]. blockDim.x must be a multiple of 32.
 template <class A, int kValues>
@@ -93,8 +124,6 @@ __global__ void __launch_bounds__(kMaxThreads)
   const bool slot = z < G.bz;  // threads beyond bz planes only round the block up to whole warps
   const int tile_size = G.src_rows * G.src_cols;
   A* tile = reinterpret_cast<A*>(shared_memory) + (slot ? z : 0) * tile_size;
-  // Walk the tile row-major without divisions: each step moves plane_threads elements.
-  const int step_rows = plane_threads / G.src_cols, step_cols = plane_threads % G.src_cols;
   const int64_t tiles = G.tiles_x * G.tiles_y;
   const int64_t source_plane = G.rows.source * G.cols.source;
   const int64_t out_plane = G.rows.out * G.cols.out;
@@ -114,17 +143,9 @@ __global__ void __launch_bounds__(kMaxThreads)
 
     for (int64_t i = 0; i < G.in_per_group; ++i) {
       __syncthreads();  // the previous tile has been consumed
-      if (live) {
-        const T* src = source + (n * G.in_channels + g * G.in_per_group + i) * source_plane;
-        int a = tid / G.src_cols, c = tid % G.src_cols;
-        for (int e = tid; e < tile_size; e += plane_threads) {
-          const int64_t row = sample_of(G.rows, u0 + a), col = sample_of(G.cols, v0 + c);
-          tile[e] = (row >= 0 && col >= 0) ? to_acc(src[row * G.cols.source + col]) : A(0);
-          a += step_rows;
-          c += step_cols;
-          if (c >= G.src_cols) c -= G.src_cols, ++a;
-        }
-      }
+      if (live)
+        stage_tile(tile, source + (n * G.in_channels + g * G.in_per_group + i) * source_plane,
+                   G.rows, G.cols, u0, v0, G.src_rows, G.src_cols, tid, plane_threads);
       __syncthreads();
       if (live) {
         const T* w = weight + G.weights.offset(g, o, i, 0, 0);
@@ -341,9 +362,9 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int tid = threadIdx.x;
   const bool thread_live = tid < plane_threads;
   const int tx = tid % G.bx, ty = tid / G.bx;
-  const int tile_size = G.src_rows * G.src_cols;
-  const int step_rows = plane_threads / G.src_cols, step_cols = plane_threads % G.src_cols;
   const int64_t Kg = p.filters_per_group(), Cg = p.channels_per_group();
+  // The x tile in the stencil form of the forward pass (unit stride here).
+  const StencilAxis rows = forward_rows(p), cols = forward_cols(p);
 
   for (int64_t b = blockIdx.x; b < G.slices * G.pairs; b += gridDim.x) {
     const int64_t slice = b / G.pairs, pair = b % G.pairs;
@@ -359,17 +380,9 @@ __global__ void __launch_bounds__(kMaxThreads)
       for (int64_t t = 0; t < G.tiles_x * G.tiles_y; ++t) {
         const int64_t y0 = (t / G.tiles_x) * (int64_t(G.by) * kRows), x0 = (t % G.tiles_x) * G.bx;
         __syncthreads();  // the previous tile has been consumed
-        {
-          int a = tid / G.src_cols, cc = tid % G.src_cols;
-          for (int e = tid; e < tile_size && thread_live; e += plane_threads) {
-            const int64_t row = y0 - p.pad_top + a, col = x0 - p.pad_left + cc;
-            const bool inside = row >= 0 && row < p.H && col >= 0 && col < p.W;
-            tile[e] = inside ? to_acc(x_plane[row * p.W + col]) : A(0);
-            a += step_rows;
-            cc += step_cols;
-            if (cc >= G.src_cols) cc -= G.src_cols, ++a;
-          }
-        }
+        if (thread_live)
+          stage_tile(tile, x_plane, rows, cols, rows.position(y0, 0), cols.position(x0, 0),
+                     G.src_rows, G.src_cols, tid, plane_threads);
         __syncthreads();
         if (thread_live) {
           const int64_t q = x0 + tx;
