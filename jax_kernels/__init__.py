@@ -5,6 +5,7 @@ from ._capabilities import capabilities
 from .conv import conv2d
 from .lerp import lerp
 from .repeat import repeat
+from .roi_align import roi_align
 
-__all__ = ["capabilities", "conv2d", "lerp", "repeat"]
+__all__ = ["capabilities", "conv2d", "lerp", "repeat", "roi_align"]
 __version__ = "0.1.0"

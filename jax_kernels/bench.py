@@ -33,6 +33,11 @@ try:
 except ImportError:  # torch is an optional peer
     torch = None
 
+try:
+    import torchvision
+except ImportError:  # torchvision is an optional peer (roi_align)
+    torchvision = None
+
 
 @dataclass
 class Contender:
@@ -44,8 +49,9 @@ class Contender:
 @dataclass
 class Case:
     name: str
-    floor_bytes: int  # bytes that must move through device memory
+    floor_bytes: int  # bytes that must move through device memory (per call)
     contenders: list[Contender] = field(default_factory=list)
+    calls: int = 1  # calls per dispatch: times are reported per call
 
 
 @dataclass
@@ -87,11 +93,19 @@ def copy_bandwidth(ctx: Context, dispatches: int, rounds: int) -> float:
     copy = jax.jit(lambda v: v + 1.0)
     best = time_contender(Contender("jnp copy", lambda: copy(x)), dispatches, rounds)
     if ctx.torch_device is not None:
-        src = torch.from_numpy(np.asarray(x)).to(ctx.torch_device)
+        src = torch.from_numpy(np.array(x)).to(ctx.torch_device)
         dst = torch.empty_like(src)
         best = min(best, time_contender(Contender("torch copy", lambda: dst.copy_(src), "torch"),
                                         dispatches, rounds))
     return 2 * n * 4 / (best * 1e-3)
+
+
+def dispatch_overhead(dispatches: int, rounds: int) -> float:
+    """Milliseconds per call of a jitted one-element computation, timed like every case: the
+    per-dispatch cost that every JAX contender carries on top of its kernels."""
+    x = jnp.ones((1,), jnp.float32)
+    tiny = jax.jit(lambda v: v + 1.0)
+    return time_contender(Contender("tiny", lambda: tiny(x)), dispatches, rounds)
 
 
 # --- cases ---------------------------------------------------------------------------------------
@@ -102,7 +116,7 @@ def _jnp_random(ctx: Context, shape, dtype=jnp.float32, seed=0) -> jax.Array:
 
 
 def _to_torch(ctx: Context, x: jax.Array):
-    return torch.from_numpy(np.asarray(x)).to(ctx.torch_device)
+    return torch.from_numpy(np.array(x)).to(ctx.torch_device)
 
 
 def cases_lerp(ctx: Context) -> list[Case]:
@@ -167,11 +181,150 @@ def cases_repeat(ctx: Context) -> list[Case]:
         Contender("jax_kernels", lambda: jk_fused(x)),
         Contender("jnp.tile", lambda: jnp_fused(x)),
     ])
+    # Ten calls on ten inputs inside one jit: the per-call time without JAX's per-dispatch cost.
+    xs = [_jnp_random(ctx, (side, side), seed=10 + i) for i in range(10)]
+    jk_ten = jax.jit(lambda xs: [jk.repeat(v, reps) for v in xs])
+    jnp_ten = jax.jit(lambda xs: [jnp.tile(v, reps) for v in xs])
+    amortized = Case(f"repeat fwd {side}x{side} by {reps} f32, 10 calls in one jit",
+                     out_bytes + 4 * side * side, [
+        Contender("jax_kernels", lambda: jk_ten(xs)),
+        Contender("jnp.tile", lambda: jnp_ten(xs)),
+    ], calls=10)
     if ctx.torch_device is not None:
         tx = _to_torch(ctx, x)
         fwd.contenders.append(Contender("torch", lambda: tx.repeat(*reps), "torch"))
         fused.contenders.append(Contender("torch", lambda: tx.repeat(*reps) * 2.0 + 1.0, "torch"))
-    return [fwd, bwd, fused]
+    return [fwd, amortized, bwd, fused]
+
+
+def roi_align_gather(input, boxes, output_size, spatial_scale, sampling_ratio, aligned):
+    """RoIAlign as a user writes it in jnp: per-axis sample positions and bilinear weights, one
+    gather of channel rows (NHWC) per corner; its gradient is XLA's scatter-add. Takes a fixed
+    sampling_ratio > 0 only (an adaptive grid has a data-dependent shape)."""
+    n, c, h, w = input.shape
+    ph_count, pw_count = output_size
+    grid = sampling_ratio
+    offset = 0.5 if aligned else 0.0
+    x1 = boxes[:, 1] * spatial_scale - offset
+    y1 = boxes[:, 2] * spatial_scale - offset
+    width = boxes[:, 3] * spatial_scale - offset - x1
+    height = boxes[:, 4] * spatial_scale - offset - y1
+    if not aligned:
+        width, height = jnp.maximum(width, 1.0), jnp.maximum(height, 1.0)
+
+    def axis(start, size, bins, extent):
+        # positions [K, bins * grid], then torchvision's clamping and weights
+        t = jnp.arange(bins * grid)
+        fraction = (t // grid) + ((t % grid) + 0.5) / grid
+        pos = start[:, None] + fraction[None, :] * (size / bins)[:, None]
+        valid = (pos >= -1) & (pos <= extent)
+        p = jnp.clip(pos, 0, None)
+        low = jnp.floor(p).astype(jnp.int32)
+        edge = low >= extent - 1
+        low = jnp.where(edge, extent - 1, low)
+        high = jnp.where(edge, extent - 1, low + 1)
+        w_high = jnp.where(edge, 0.0, p - low)
+        return valid, low, high, 1.0 - w_high, w_high
+
+    vy, y_low, y_high, hy, ly = axis(y1, height, ph_count, h)
+    vx, x_low, x_high, hx, lx = axis(x1, width, pw_count, w)
+    image = jnp.transpose(input, (0, 2, 3, 1))  # NHWC: a gather fetches contiguous channel rows
+    b = boxes[:, 0].astype(jnp.int32)[:, None, None]
+
+    def corner(rows, cols):
+        return image[b, rows[:, :, None], cols[:, None, :]]  # [K, Sy, Sx, C]
+
+    wy_low, wy_high = hy[:, :, None, None], ly[:, :, None, None]
+    wx_low, wx_high = hx[:, None, :, None], lx[:, None, :, None]
+    value = (wy_low * wx_low * corner(y_low, x_low) + wy_low * wx_high * corner(y_low, x_high)
+             + wy_high * wx_low * corner(y_high, x_low)
+             + wy_high * wx_high * corner(y_high, x_high))
+    value = jnp.where((vy[:, :, None] & vx[:, None, :])[..., None], value, 0.0)
+    k = boxes.shape[0]
+    value = value.reshape(k, ph_count, grid, pw_count, grid, c).mean(axis=(2, 4))
+    return jnp.transpose(value, (0, 3, 1, 2))
+
+
+def _roi_boxes(rng: np.random.Generator, count: int, images: int, height: float, width: float):
+    """Detection-like boxes in image coordinates: sides of 32 to 512 pixels, clipped to the
+    image, on random images."""
+    side_w, side_h = rng.uniform(32, 512, count), rng.uniform(32, 512, count)
+    x1 = rng.uniform(0, width - side_w.clip(max=width))
+    y1 = rng.uniform(0, height - side_h.clip(max=height))
+    x2, y2 = np.minimum(x1 + side_w, width), np.minimum(y1 + side_h, height)
+    batch = rng.integers(0, images, count)
+    return np.stack([batch, x1, y1, x2, y2], axis=1).astype(np.float32)
+
+
+def _roi_touched_cells(boxes, images, height, width, bins, scale, grid):
+    """Input cells (n, h, w) that the samples of the boxes read (aligned=False, fixed grid)."""
+    touched = np.zeros((images, height, width), bool)
+    t = np.arange(bins * grid)
+    fraction = (t // grid) + ((t % grid) + 0.5) / grid
+    for b, x1, y1, x2, y2 in boxes.astype(np.float64):
+        def indices(start, size, extent):
+            pos = start + fraction * max(size, 1.0) / bins
+            pos = pos[(pos >= -1) & (pos <= extent)].clip(0, extent - 1)
+            low = np.floor(pos).astype(int)
+            return np.unique(np.concatenate([low, np.minimum(low + 1, extent - 1)]))
+        rows = indices(y1 * scale, (y2 - y1) * scale, height)
+        cols = indices(x1 * scale, (x2 - x1) * scale, width)
+        touched[int(b)][np.ix_(rows, cols)] = True
+    return int(touched.sum())
+
+
+def cases_roi_align(ctx: Context) -> list[Case]:
+    n, c, h, w, k = (2, 256, 200, 272, 1024) if not ctx.quick else (2, 16, 50, 68, 128)
+    bins, scale, grid = 7, 0.25, 2
+    x = _jnp_random(ctx, (n, c, h, w))
+    boxes_np = _roi_boxes(ctx.rng(1), k, n, h / scale, w / scale)
+    boxes = jnp.asarray(boxes_np)
+    dout = _jnp_random(ctx, (k, c, bins, bins), seed=2)
+    args = ((bins, bins), scale, grid, False)
+
+    def jk_op(deterministic):
+        return lambda x, b: jk.roi_align(x, b, *args, deterministic=deterministic)
+
+    gather_op = lambda x, b: roi_align_gather(x, b, *args)
+
+    def fwd_bwd(op):
+        def run(x, b, g):
+            out, vjp = jax.vjp(lambda x: op(x, b), x)
+            return out, vjp(g)[0]
+        return jax.jit(run)
+
+    jk_fwd, gather_fwd = jax.jit(jk_op(True)), jax.jit(gather_op)
+    jk_both, jk_both_atomic = fwd_bwd(jk_op(True)), fwd_bwd(jk_op(False))
+    gather_both = fwd_bwd(gather_op)
+    output_bytes = 4 * k * c * bins * bins
+    touched_bytes = 4 * c * _roi_touched_cells(boxes_np, n, h, w, bins, scale, grid)
+    forward_bytes = boxes_np.nbytes + touched_bytes + output_bytes
+    # The backward also reads dout and writes the whole input gradient.
+    both_bytes = forward_bytes + output_bytes + 4 * n * c * h * w
+    name = f"roi_align N{n} C{c} {h}x{w}, {k} boxes, 7x7 sr2 scale 1/4"
+    fwd = Case(f"{name} fwd", forward_bytes, [
+        Contender("jax_kernels", lambda: jk_fwd(x, boxes)),
+        Contender("jnp gather", lambda: gather_fwd(x, boxes)),
+    ])
+    both = Case(f"{name} fwd+bwd", both_bytes, [
+        Contender("jax_kernels", lambda: jk_both(x, boxes, dout)),
+        Contender("jk atomic", lambda: jk_both_atomic(x, boxes, dout)),
+        Contender("jnp gather", lambda: gather_both(x, boxes, dout)),
+    ])
+    if torchvision is not None and ctx.torch_device is not None:
+        tx = _to_torch(ctx, x).requires_grad_(True)
+        tboxes, tdout = _to_torch(ctx, boxes), _to_torch(ctx, dout)
+        fwd.contenders.append(Contender(
+            "torchvision", lambda: torchvision.ops.roi_align(tx.detach(), tboxes, *args), "torch"))
+
+        def torchvision_both():
+            tx.grad = None
+            out = torchvision.ops.roi_align(tx, tboxes, *args)
+            out.backward(tdout)
+            return out, tx.grad
+
+        both.contenders.append(Contender("torchvision", torchvision_both, "torch"))
+    return [fwd, both]
 
 
 def cases_conv2d(ctx: Context) -> list[Case]:
@@ -244,6 +397,7 @@ def cases_conv2d(ctx: Context) -> list[Case]:
 CASES: dict[str, Callable[[Context], list[Case]]] = {
     "lerp": cases_lerp,
     "repeat": cases_repeat,
+    "roi_align": cases_roi_align,
     "conv2d": cases_conv2d,
 }
 
@@ -261,6 +415,7 @@ def run(ops: list[str], quick: bool, dispatches: int, rounds: int) -> dict:
             torch_device = "cpu"
     ctx = Context(platform=platform, quick=quick, torch_device=torch_device)
     bandwidth = copy_bandwidth(ctx, dispatches, rounds)
+    overhead = dispatch_overhead(dispatches, rounds)
     device = jax.devices()[0].device_kind
     report = {
         "device": device,
@@ -268,17 +423,19 @@ def run(ops: list[str], quick: bool, dispatches: int, rounds: int) -> dict:
         "jax": jax.__version__,
         "torch": getattr(torch, "__version__", None),
         "copy_bandwidth_GBps": bandwidth / 1e9,
+        "jax_dispatch_ms": overhead,
         "dispatches": dispatches,
         "rounds": rounds,
         "cases": [],
     }
     print(f"# {device} ({platform}), jax {jax.__version__}, torch {report['torch']}, "
-          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
+          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write), "
+          f"JAX dispatch of a one-element jit {overhead:.4f} ms")
     print(f"{'case':58s} {'contender':12s} {'ms':>9s} {'x floor':>8s} {'x jk':>7s}")
     for op in ops:
         for case in CASES[op](ctx):
             floor_ms = case.floor_bytes / bandwidth * 1e3
-            times = {c.name: time_contender(c, dispatches, rounds) for c in case.contenders}
+            times = {c.name: time_contender(c, dispatches, rounds) / case.calls for c in case.contenders}
             ours = times.get("jax_kernels")
             for name, ms in times.items():
                 ratio = f"{ms / ours:7.2f}" if ours else "      -"

@@ -29,6 +29,8 @@ def repeat(x: Any, repeats: int | Sequence[int]) -> jax.Array:
     Any dtype tiles; floating dtypes (float16, bfloat16, float32, float64) are differentiable.
     """
     x = as_array("repeat", "x", x)
+    if np.dtype(x.dtype).itemsize not in (1, 2, 4, 8, 16):
+        raise TypeError(f"repeat(): dtype {x.dtype} is not supported (sub-byte element types)")
     repeats = _check_repeats(x, repeats)
     if np.dtype(x.dtype) in [np.dtype(d) for d in FLOAT_DTYPES]:
         return _repeat(x, repeats, tuple(x.shape))

@@ -38,31 +38,30 @@ ffi::Error elementwise(const char* op, const Functor& functor,
   for (int k = 0; k < kOperands; ++k) data[k] = static_cast<const T*>(operands[k]->untyped_data());
   OutT* result = static_cast<OutT*>(out->untyped_data());
 
-  auto apply = [&](auto... values) { return functor(values...); };
-  auto store = [&](int64_t i, A value) {
-    if constexpr (std::is_same_v<OutT, T>) {
-      result[i] = from_acc<T>(value);
-    } else {
-      result[i] = value;
-    }
-  };
   parallel_for(g.count, kGrain, [&](int64_t begin, int64_t end) {
+    // Local restrict pointers: the compiler can then vectorize the contiguous loops.
+    const T* __restrict d0 = data[0];
+    const T* __restrict d1 = data[kOperands > 1 ? 1 : 0];
+    const T* __restrict d2 = data[kOperands > 2 ? 2 : 0];
+    OutT* __restrict r = result;
+    auto value = [&](int64_t i0, int64_t i1, int64_t i2) -> A {
+      if constexpr (kOperands == 1) return functor(to_acc(d0[i0]));
+      if constexpr (kOperands == 2) return functor(to_acc(d0[i0]), to_acc(d1[i1]));
+      if constexpr (kOperands == 3) return functor(to_acc(d0[i0]), to_acc(d1[i1]), to_acc(d2[i2]));
+    };
+    auto store = [&](int64_t i, A v) {
+      if constexpr (std::is_same_v<OutT, T>) {
+        r[i] = from_acc<T>(v);
+      } else {
+        r[i] = v;
+      }
+    };
     if (g.contiguous) {
-      for (int64_t i = begin; i < end; ++i) {
-        if constexpr (kOperands == 1) store(i, apply(to_acc(data[0][i])));
-        if constexpr (kOperands == 2) store(i, apply(to_acc(data[0][i]), to_acc(data[1][i])));
-        if constexpr (kOperands == 3)
-          store(i, apply(to_acc(data[0][i]), to_acc(data[1][i]), to_acc(data[2][i])));
-      }
+      for (int64_t i = begin; i < end; ++i) store(i, value(i, i, i));
     } else {
-      for (int64_t i = begin; i < end; ++i) {
-        if constexpr (kOperands == 1) store(i, apply(to_acc(data[0][g.offset(0, i)])));
-        if constexpr (kOperands == 2)
-          store(i, apply(to_acc(data[0][g.offset(0, i)]), to_acc(data[1][g.offset(1, i)])));
-        if constexpr (kOperands == 3)
-          store(i, apply(to_acc(data[0][g.offset(0, i)]), to_acc(data[1][g.offset(1, i)]),
-                         to_acc(data[2][g.offset(2, i)])));
-      }
+      for (int64_t i = begin; i < end; ++i)
+        store(i, value(g.offset(0, i), kOperands > 1 ? g.offset(1, i) : 0,
+                       kOperands > 2 ? g.offset(2, i) : 0));
     }
   });
   return ffi::Error::Success();

@@ -1,6 +1,726 @@
-// Tensor-core convolution path: not implemented yet, so it takes no problem and the direct
-// kernels run everything.
+// Tensor-core conv2d path (interface in conv_dense.h): plans each problem onto CUTLASS kernels
+// (conv_dense_<math>.cu) and runs the layout kernels around them.
+//
+// Two routes:
+// - GEMM: 1x1 kernels with stride 1, no padding, one group, and channel and pixel counts that are
+//   multiples of the 128-bit access: batched GEMMs straight on the NCHW data, no layout change.
+//   fprop and dgrad are one GEMM per image; wgrad writes one float32 partial per image and a
+//   fixed-order reduction sums them.
+// - NHWC: every other problem taken. The operands are copied to NHWC in the scratch buffer
+//   (channels zero-padded to the access width so any channel count works, groups one after
+//   another), CUTLASS implicit GEMM runs once per group, and the result goes back: fprop and dgrad
+//   through an NHWC -> NCHW transpose, wgrad through a fixed-order reduction of its split-K
+//   partials straight into KCRS. Unit-stride dgrad is an fprop on flipped, transposed weights;
+//   strided dgrad has its own CUTLASS kernel.
+// Every pass is bitwise reproducible: no atomics anywhere, split-K partials go to separate
+// buffers and are summed in a fixed order.
+//
+// Declined (the direct kernels run them): float64, depthwise and small groups (fewer than 16
+// channels or filters per group, or more than 16 groups), strided dgrad with dilation, unit-stride
+// dgrad with padding wider than the filter, filters over 32 taps a side, and tensors past
+// CUTLASS's 32-bit indexing (2 GiB per tensor).
 #include "conv_dense.h"
+
+#if defined(JAX_KERNELS_HAVE_CUTLASS)
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <type_traits>
+
+#include "conv_dense_cutlass.h"
+#include "jax_kernels/cuda_util.h"
+
+namespace jax_kernels {
+namespace {
+
+using conv_dense::BatchedGemm;
+using conv_dense::GemmKernel;
+using conv_dense::Math;
+using conv_dense::NhwcConv;
+using conv_dense::NhwcKernel;
+using conv_dense::TileClass;
+
+constexpr int64_t kScratchAlign = 256;
+// SM count the split heuristics aim at (H100/H200). Fixed rather than queried: the scratch size
+// depends on the split and is computed at trace time, possibly without a GPU.
+constexpr int64_t kNominalSms = 132;
+constexpr int64_t kMaxSplitK = 64;
+constexpr int64_t kMinKIterationsPerSlice = 16;
+constexpr int64_t kMaxGroups = 16;
+constexpr int64_t kMinChannelsPerGroup = 16;
+
+// Calls f(std::integral_constant<Math, M>{}) for the math mode: the CUTLASS entry points are
+// templates instantiated once per mode (conv_dense_<math>.cu).
+template <class F>
+auto with_math(Math math, F&& f) {
+  switch (math) {
+    case Math::kFloat16: return f(std::integral_constant<Math, Math::kFloat16>{});
+    case Math::kBFloat16: return f(std::integral_constant<Math, Math::kBFloat16>{});
+    case Math::kTF32: return f(std::integral_constant<Math, Math::kTF32>{});
+    case Math::kFloat32x3:
+    default: return f(std::integral_constant<Math, Math::kFloat32x3>{});
+  }
+}
+
+template <class Problem>
+bool can_implement(Math math, const Problem& problem) {
+  return with_math(math, [&](auto m) { return conv_dense::can_implement<m()>(problem); });
+}
+
+template <class Problem>
+int64_t output_tiles(Math math, const Problem& problem) {
+  return with_math(math, [&](auto m) { return conv_dense::output_tiles<m()>(problem); });
+}
+
+template <class Problem>
+ffi::Error run(Math math, const Problem& problem, cudaStream_t stream) {
+  return with_math(math, [&](auto m) { return conv_dense::run<m()>(problem, stream); });
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// ---- Planning (host only, identical at trace time and at run time) ----------------------------
+
+enum class Route { kDecline, kGemm, kNhwc };
+
+struct Plan {
+  Route route = Route::kDecline;
+  Math math = Math::kBFloat16;
+  int64_t element_bytes = 2;
+  int64_t alignment = 8;  // elements per 128-bit access
+  // NHWC route: channels and filters per group, valid and padded to the access width.
+  int64_t groups = 1, Cg = 0, Kg = 0, Cgp = 0, Kgp = 0;
+  bool dgrad_as_fprop = false;
+  NhwcConv conv{};  // one group's problem; pointers are set at run time
+  BatchedGemm gemm{};  // GEMM route; pointers are set at run time
+  // Scratch regions (byte offsets from the 256-byte aligned base) and the bytes to ask for.
+  int64_t offset[4] = {0, 0, 0, 0};
+  int64_t bytes = -1;
+};
+
+// Lays out regions of the given sizes one after another; the total includes slack to align the
+// base, since nothing promises more than the element alignment of the scratch buffer.
+void lay_out_scratch(Plan* plan, std::initializer_list<int64_t> region_bytes) {
+  int64_t end = 0;
+  int index = 0;
+  for (int64_t size : region_bytes) {
+    plan->offset[index++] = end;
+    end += round_up(size, kScratchAlign);
+  }
+  plan->bytes = end == 0 ? 0 : end + kScratchAlign;
+}
+
+bool math_of(const ConvQuery& query, Math* math) {
+  switch (query.dtype) {
+    case ConvDtype::kFloat16: *math = Math::kFloat16; return true;
+    case ConvDtype::kBFloat16: *math = Math::kBFloat16; return true;
+    case ConvDtype::kFloat32:
+      *math = query.precision == ConvPrecision::kHighest ? Math::kFloat32x3 : Math::kTF32;
+      return true;
+    default: return false;  // float64: the direct kernels are exact and fast enough
+  }
+}
+
+bool fits_int(std::initializer_list<int64_t> values) {
+  for (int64_t v : values)
+    if (v < 0 || v > INT_MAX) return false;
+  return true;
+}
+
+bool plan_gemm(const ConvQuery& query, Plan* plan) {
+  const ConvProblem& p = query.problem;
+  if (p.groups != 1 || p.R != 1 || p.S != 1 || p.stride_h != 1 || p.stride_w != 1 ||
+      p.pad_top != 0 || p.pad_left != 0 || p.P != p.H || p.Q != p.W)
+    return false;
+  const int64_t pixels = p.H * p.W;
+  const int64_t a = plan->alignment;
+  if (p.C % a || p.K % a || pixels % a) return false;
+  if (!fits_int({pixels})) return false;
+  const int64_t eb = plan->element_bytes;
+  BatchedGemm& g = plan->gemm;
+  g = BatchedGemm{};
+  g.batch_count = int(p.N);
+  switch (query.pass) {
+    case ConvPass::kForward:
+      g.kernel = GemmKernel::kFprop;
+      g.tile = p.K <= 64 ? TileClass::kNarrow : TileClass::kWide;
+      g.M = int(p.K), g.N = int(pixels), g.K = int(p.C);
+      g.lda = p.C, g.ldb = pixels, g.ldd = pixels;
+      g.batch_stride_a = 0, g.batch_stride_b = p.C * pixels, g.batch_stride_d = p.K * pixels;
+      lay_out_scratch(plan, {p.K * pixels * eb});  // the bias broadcast to [K x pixels]
+      break;
+    case ConvPass::kBackwardData:
+      g.kernel = GemmKernel::kDgrad;
+      g.tile = p.C <= 64 ? TileClass::kNarrow : TileClass::kWide;
+      g.M = int(p.C), g.N = int(pixels), g.K = int(p.K);
+      g.lda = p.C, g.ldb = pixels, g.ldd = pixels;
+      g.batch_stride_a = 0, g.batch_stride_b = p.K * pixels, g.batch_stride_d = p.C * pixels;
+      lay_out_scratch(plan, {});
+      break;
+    case ConvPass::kBackwardWeight: {
+      g.kernel = GemmKernel::kWgrad;
+      g.tile = TileClass::kNarrow;
+      g.M = int(p.K), g.N = int(p.C), g.K = int(pixels);
+      g.lda = pixels, g.ldb = pixels, g.ldd = p.C;
+      g.batch_stride_a = p.K * pixels, g.batch_stride_b = p.C * pixels, g.batch_stride_d = p.K * p.C;
+      // One float32 partial per image, summed in image order. With few images there are few
+      // blocks and a batched launch cannot split the pixel reduction: the NHWC route (split-K
+      // in one launch) is then faster. It also needs less scratch when the partials would
+      // outweigh copies of dy and x (large filters over few pixels).
+      if (p.N * output_tiles(plan->math, g) < kNominalSms / 2) return false;
+      const int64_t partial_bytes = p.N * p.K * p.C * 4;
+      if (partial_bytes > p.N * pixels * (p.K + p.C) * eb) return false;
+      lay_out_scratch(plan, {partial_bytes});
+      break;
+    }
+  }
+  if (!can_implement(plan->math, g)) return false;
+  plan->route = Route::kGemm;
+  return true;
+}
+
+bool plan_nhwc(const ConvQuery& query, Plan* plan) {
+  const ConvProblem& p = query.problem;
+  const int64_t a = plan->alignment, eb = plan->element_bytes;
+  const int64_t G = p.groups;
+  const int64_t Cg = p.C / G, Kg = p.K / G, Cgp = round_up(Cg, a), Kgp = round_up(Kg, a);
+  plan->groups = G, plan->Cg = Cg, plan->Kg = Kg, plan->Cgp = Cgp, plan->Kgp = Kgp;
+  if (!fits_int({Cgp, Kgp})) return false;
+  const int64_t x_bytes = G * p.N * p.H * p.W * Cgp * eb;
+  const int64_t y_bytes = G * p.N * p.P * p.Q * Kgp * eb;
+  const int64_t w_bytes = G * Kgp * p.R * p.S * Cgp * eb;
+
+  NhwcConv& c = plan->conv;
+  c = NhwcConv{};
+  c.N = int(p.N), c.H = int(p.H), c.W = int(p.W), c.C = int(Cgp), c.K = int(Kgp);
+  c.R = int(p.R), c.S = int(p.S), c.P = int(p.P), c.Q = int(p.Q);
+  c.pad_h = int(p.pad_top), c.pad_w = int(p.pad_left);
+  c.stride_h = int(p.stride_h), c.stride_w = int(p.stride_w);
+  c.dilation_h = int(p.dilation_h), c.dilation_w = int(p.dilation_w);
+  c.split_k = 1;
+  switch (query.pass) {
+    case ConvPass::kForward:
+      c.kernel = NhwcKernel::kFprop;
+      c.tile = Kgp <= 64 ? TileClass::kNarrow : TileClass::kWide;
+      lay_out_scratch(plan, {x_bytes, w_bytes, G * Kgp * eb, y_bytes});
+      break;
+    case ConvPass::kBackwardData: {
+      // dx = conv(dy, w flipped and transposed) with padding d*(R-1) - pad: an fprop over dy.
+      const int64_t pad_h = p.dilation_h * (p.R - 1) - p.pad_top;
+      const int64_t pad_w = p.dilation_w * (p.S - 1) - p.pad_left;
+      const bool unit_stride = p.stride_h == 1 && p.stride_w == 1;
+      if (unit_stride && pad_h >= 0 && pad_w >= 0) {
+        plan->dgrad_as_fprop = true;
+        c.kernel = NhwcKernel::kFprop;
+        c.tile = Cgp <= 64 ? TileClass::kNarrow : TileClass::kWide;
+        c.H = int(p.P), c.W = int(p.Q), c.P = int(p.H), c.Q = int(p.W);
+        c.C = int(Kgp), c.K = int(Cgp);
+        c.pad_h = int(pad_h), c.pad_w = int(pad_w);
+      } else if (!unit_stride && p.dilation_h == 1 && p.dilation_w == 1) {
+        c.kernel = NhwcKernel::kStridedDgrad;
+        c.tile = TileClass::kNarrow;
+      } else {
+        return false;
+      }
+      lay_out_scratch(plan, {y_bytes, w_bytes, x_bytes});
+      break;
+    }
+    case ConvPass::kBackwardWeight: {
+      c.kernel = NhwcKernel::kWgrad;
+      c.tile = Kgp <= 64 ? TileClass::kNarrow : TileClass::kWide;
+      // Split the N*P*Q reduction so that about two blocks per SM run, each slice long enough
+      // to amortize its partial write. The tile's K extent is 128 bytes of elements.
+      const int64_t tiles = output_tiles(plan->math, c);
+      const int64_t k_iterations = ceil_div(p.N * p.P * p.Q, 128 / eb);
+      int64_t split = std::min(kMaxSplitK, ceil_div(2 * kNominalSms, tiles));
+      split = std::max<int64_t>(1, std::min(split, k_iterations / kMinKIterationsPerSlice));
+      c.split_k = int(split);
+      lay_out_scratch(plan, {y_bytes, x_bytes, G * split * Kgp * p.R * p.S * Cgp * 4});
+      break;
+    }
+  }
+  if (!can_implement(plan->math, c)) return false;
+  plan->route = Route::kNhwc;
+  return true;
+}
+
+Plan make_plan(const ConvQuery& query) {
+  Plan plan;
+  const ConvProblem& p = query.problem;
+  if (!math_of(query, &plan.math)) return plan;
+  if (p.N < 1 || p.C < 1 || p.H < 1 || p.W < 1 || p.K < 1 || p.R < 1 || p.S < 1 || p.P < 1 ||
+      p.Q < 1 || p.stride_h < 1 || p.stride_w < 1 || p.dilation_h < 1 || p.dilation_w < 1 ||
+      p.pad_top < 0 || p.pad_left < 0 || p.groups < 1 || p.C % p.groups || p.K % p.groups)
+    return plan;
+  // CUTLASS describes problems in int; the extents come from real arrays, so their products fit
+  // int64.
+  if (!fits_int({p.N, p.C, p.H, p.W, p.K, p.R, p.S, p.P, p.Q, p.stride_h, p.stride_w, p.pad_top,
+                 p.pad_left, p.dilation_h, p.dilation_w, p.groups}))
+    return plan;
+  if (p.groups > 1 && (p.groups > kMaxGroups || p.C / p.groups < kMinChannelsPerGroup ||
+                       p.K / p.groups < kMinChannelsPerGroup))
+    return plan;
+  const bool half = plan.math == Math::kFloat16 || plan.math == Math::kBFloat16;
+  plan.element_bytes = half ? 2 : 4;
+  plan.alignment = 16 / plan.element_bytes;
+  Plan gemm = plan;
+  if (plan_gemm(query, &gemm)) return gemm;
+  Plan nhwc = plan;
+  if (plan_nhwc(query, &nhwc)) return nhwc;
+  return Plan{};
+}
+
+// ---- Layout kernels ---------------------------------------------------------------------------
+// They move raw element bits (uint16_t or uint32_t): transposes do not care about the dtype.
+
+constexpr int kTile = 64;
+constexpr int kLayoutThreads = 256;
+
+template <class Bits>
+struct alignas(4 * sizeof(Bits)) Vec4 {
+  Bits v[4];
+};
+
+// A batch of 2-D transposes with zero padding: for slice (n, g),
+//   out[j][i] = i < rows ? in[i][j] : 0   for i < out_cols, j < cols,
+// with in = in_base + n * in_stride_n + g * in_stride_g (row stride in_ld) and out likewise.
+// NCHW -> NHWC: i = channel (padded), j = pixel; NHWC -> NCHW: i = pixel, j = channel.
+template <class Bits>
+struct TransposeJob {
+  const Bits* in;
+  Bits* out;
+  int64_t rows, cols, out_cols;
+  int64_t in_ld, out_ld;
+  int64_t slices, groups;  // slices are (n, g), g fastest
+  int64_t in_stride_n, in_stride_g, out_stride_n, out_stride_g;
+  int64_t tiles_i, tiles_j;
+  int64_t block_begin;
+  bool vector_in, vector_out;  // 4-element accesses are aligned
+};
+
+// KCRS weights to the layout the CUTLASS kernel reads, padded with zero filters and channels:
+// fprop and strided dgrad read [G][Kgp][R][S][Cgp]; dgrad as fprop reads the flipped transpose
+// [G][Cgp][R][S][Kgp] with tap (r, s) = (R-1-r, S-1-s). The padded bias [G][Kgp] comes along.
+template <class Bits>
+struct WeightJob {
+  const Bits* w;
+  Bits* out;
+  const Bits* bias;
+  Bits* bias_out;
+  int64_t Kg, Cg, R, S, Kgp, Cgp;
+  bool flip;
+  int64_t weight_count, bias_count;
+  int64_t block_begin, blocks;  // blocks == 0: no weight job in this launch
+};
+
+template <class Bits>
+struct LayoutJobs {
+  TransposeJob<Bits> transpose[2];
+  int transpose_count;
+  WeightJob<Bits> weights;
+};
+
+template <class Bits>
+__device__ __forceinline__ void transpose_tile(const TransposeJob<Bits>& job, int64_t block,
+                                               Bits (&tile)[kTile][kTile + 1]) {
+  const int t = threadIdx.x;
+  const int64_t ti = block % job.tiles_i;
+  block /= job.tiles_i;
+  const int64_t tj = block % job.tiles_j;
+  const int64_t slice = block / job.tiles_j;
+  const int64_t n = slice / job.groups, g = slice % job.groups;
+  const Bits* in = job.in + n * job.in_stride_n + g * job.in_stride_g;
+  Bits* out = job.out + n * job.out_stride_n + g * job.out_stride_g;
+  const int64_t i0 = ti * kTile, j0 = tj * kTile;
+  const int lane4 = 4 * (t % 16);  // 16 threads cover a 64-element row, 4 elements each
+
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int il = t / 16 + 16 * k;
+    const int64_t i = i0 + il, j = j0 + lane4;
+    Vec4<Bits> v = {};
+    if (i < job.rows) {
+      const Bits* row = in + i * job.in_ld;
+      if (job.vector_in && j + 3 < job.cols) {
+        v = *reinterpret_cast<const Vec4<Bits>*>(row + j);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (j + e < job.cols) v.v[e] = row[j + e];
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) tile[il][lane4 + e] = v.v[e];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int jl = t / 16 + 16 * k;
+    const int64_t j = j0 + jl, i = i0 + lane4;
+    if (j >= job.cols) continue;
+    Vec4<Bits> v;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v.v[e] = tile[lane4 + e][jl];
+    Bits* row = out + j * job.out_ld;
+    if (job.vector_out && i + 3 < job.out_cols) {
+      *reinterpret_cast<Vec4<Bits>*>(row + i) = v;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (i + e < job.out_cols) row[i + e] = v.v[e];
+    }
+  }
+}
+
+template <class Bits>
+__device__ void transform_weights(const WeightJob<Bits>& job, int64_t block) {
+  const int64_t total = job.weight_count + job.bias_count;
+  const int64_t stride = job.blocks * kLayoutThreads;
+  for (int64_t idx = block * kLayoutThreads + threadIdx.x; idx < total; idx += stride) {
+    if (idx < job.weight_count) {
+      int64_t rest = idx;
+      const int64_t inner = rest % (job.flip ? job.Kgp : job.Cgp);
+      rest /= job.flip ? job.Kgp : job.Cgp;
+      const int64_t s = rest % job.S;
+      rest /= job.S;
+      const int64_t r = rest % job.R;
+      rest /= job.R;
+      const int64_t outer = rest % (job.flip ? job.Cgp : job.Kgp);
+      const int64_t g = rest / (job.flip ? job.Cgp : job.Kgp);
+      const int64_t k = job.flip ? inner : outer, c = job.flip ? outer : inner;
+      const int64_t tap = job.flip ? (job.R - 1 - r) * job.S + (job.S - 1 - s) : r * job.S + s;
+      Bits value = 0;
+      if (k < job.Kg && c < job.Cg)
+        value = job.w[((g * job.Kg + k) * job.Cg + c) * job.R * job.S + tap];
+      job.out[idx] = value;
+    } else {
+      const int64_t j = idx - job.weight_count;
+      const int64_t k = j % job.Kgp, g = j / job.Kgp;
+      job.bias_out[j] = k < job.Kg ? job.bias[g * job.Kg + k] : Bits(0);
+    }
+  }
+}
+
+template <class Bits>
+__global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutJobs<Bits> jobs) {
+  __shared__ Bits tile[kTile][kTile + 1];
+  const int64_t block = blockIdx.x;
+  if (jobs.weights.blocks > 0 && block >= jobs.weights.block_begin) {
+    transform_weights(jobs.weights, block - jobs.weights.block_begin);
+  } else if (jobs.transpose_count > 1 && block >= jobs.transpose[1].block_begin) {
+    transpose_tile(jobs.transpose[1], block - jobs.transpose[1].block_begin, tile);
+  } else {
+    transpose_tile(jobs.transpose[0], block, tile);
+  }
+}
+
+bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// NCHW [N][G*channels][pixels] -> [G][N][pixels][channels_padded].
+template <class Bits>
+TransposeJob<Bits> to_nhwc(const void* in, void* out, int64_t N, int64_t G, int64_t channels,
+                           int64_t pixels, int64_t channels_padded) {
+  TransposeJob<Bits> job{};
+  job.in = static_cast<const Bits*>(in);
+  job.out = static_cast<Bits*>(out);
+  job.rows = channels, job.cols = pixels, job.out_cols = channels_padded;
+  job.in_ld = pixels, job.out_ld = channels_padded;
+  job.slices = N * G, job.groups = G;
+  job.in_stride_n = G * channels * pixels, job.in_stride_g = channels * pixels;
+  job.out_stride_n = pixels * channels_padded, job.out_stride_g = N * pixels * channels_padded;
+  job.tiles_i = ceil_div(channels_padded, kTile), job.tiles_j = ceil_div(pixels, kTile);
+  job.vector_in = pixels % 4 == 0 && aligned(in, 4 * sizeof(Bits));
+  job.vector_out = channels_padded % 4 == 0 && aligned(out, 4 * sizeof(Bits));
+  return job;
+}
+
+// [G][N][pixels][channels_padded] -> NCHW [N][G*channels][pixels].
+template <class Bits>
+TransposeJob<Bits> to_nchw(const void* in, void* out, int64_t N, int64_t G, int64_t pixels,
+                           int64_t channels, int64_t channels_padded) {
+  TransposeJob<Bits> job{};
+  job.in = static_cast<const Bits*>(in);
+  job.out = static_cast<Bits*>(out);
+  job.rows = pixels, job.cols = channels, job.out_cols = pixels;
+  job.in_ld = channels_padded, job.out_ld = pixels;
+  job.slices = N * G, job.groups = G;
+  job.in_stride_n = pixels * channels_padded, job.in_stride_g = N * pixels * channels_padded;
+  job.out_stride_n = G * channels * pixels, job.out_stride_g = channels * pixels;
+  job.tiles_i = ceil_div(pixels, kTile), job.tiles_j = ceil_div(channels, kTile);
+  job.vector_in = channels_padded % 4 == 0 && aligned(in, 4 * sizeof(Bits));
+  job.vector_out = pixels % 4 == 0 && aligned(out, 4 * sizeof(Bits));
+  return job;
+}
+
+// One launch for up to two transposes and the weight transform (all independent).
+template <class Bits>
+ffi::Error launch_layout(cudaStream_t stream, std::initializer_list<TransposeJob<Bits>> transposes,
+                         const WeightJob<Bits>* weights = nullptr) {
+  LayoutJobs<Bits> jobs{};
+  int64_t blocks = 0;
+  for (const TransposeJob<Bits>& job : transposes) {
+    TransposeJob<Bits>& slot = jobs.transpose[jobs.transpose_count++];
+    slot = job;
+    slot.block_begin = blocks;
+    blocks += job.tiles_i * job.tiles_j * job.slices;
+  }
+  if (weights != nullptr) {
+    jobs.weights = *weights;
+    jobs.weights.block_begin = blocks;
+    jobs.weights.blocks = std::min<int64_t>(
+        1024, ceil_div(weights->weight_count + weights->bias_count, kLayoutThreads));
+    blocks += jobs.weights.blocks;
+  }
+  if (blocks > INT_MAX) return ffi::Error::InvalidArgument("conv2d: tensor too large to transpose");
+  layout_kernel<Bits><<<unsigned(blocks), kLayoutThreads, 0, stream>>>(jobs);
+  return launch_status("conv2d (layout)");
+}
+
+// dw[g*Kg + k][c][r][s] = sum over slices of partials[g][slice][k][r][s][c] (float32, Cgp a
+// multiple of 4 and every stride too, so 16-byte loads). A block covers 32 groups of 4 channels
+// (lanes) with its 8 warps taking slices w, w+8, ...: enough loads in flight to stream the
+// partials, and the per-warp sums are added in warp order, so the result is reproducible.
+struct WgradReduction {
+  int64_t Kg, Cg, R, S, Cgp;
+  int64_t quads;  // G * Kg * R * S * ceil(Cg / 4)
+  int64_t slices, slice_stride, group_stride;
+};
+
+constexpr int kReduceWarps = kLayoutThreads / 32;
+
+template <class T>
+__global__ void __launch_bounds__(kLayoutThreads)
+    wgrad_reduce_kernel(const float* partials, T* dw, WgradReduction r) {
+  __shared__ float4 warp_sums[kReduceWarps][32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t quad = int64_t(blockIdx.x) * 32 + lane;
+  const int64_t quads_per_row = (r.Cg + 3) / 4;
+  int64_t rest = quad;
+  const int64_t c0 = rest % quads_per_row * 4;
+  rest /= quads_per_row;
+  const int64_t s = rest % r.S;
+  rest /= r.S;
+  const int64_t tap_r = rest % r.R;
+  rest /= r.R;
+  const int64_t k = rest % r.Kg, g = rest / r.Kg;
+  float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (quad < r.quads) {
+    const float* p = partials + g * r.group_stride + ((k * r.R + tap_r) * r.S + s) * r.Cgp + c0;
+#pragma unroll 4
+    for (int64_t slice = warp; slice < r.slices; slice += kReduceWarps) {
+      const float4 v = *reinterpret_cast<const float4*>(p + slice * r.slice_stride);
+      sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+    }
+  }
+  warp_sums[warp][lane] = sum;
+  __syncthreads();
+  if (warp != 0 || quad >= r.quads) return;
+  for (int w = 1; w < kReduceWarps; ++w) {
+    const float4 v = warp_sums[w][lane];
+    sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+  }
+  const float values[4] = {sum.x, sum.y, sum.z, sum.w};
+  T* out = dw + (((g * r.Kg + k) * r.Cg + c0) * r.R + tap_r) * r.S + s;
+  for (int e = 0; e < 4 && c0 + e < r.Cg; ++e) out[e * r.R * r.S] = from_acc<T>(values[e]);
+}
+
+ffi::Error launch_wgrad_reduce(cudaStream_t stream, ConvDtype dtype, const float* partials,
+                               void* dw, const WgradReduction& r) {
+  const unsigned blocks = unsigned(ceil_div(r.quads, 32));
+  switch (dtype) {
+    case ConvDtype::kFloat16:
+      wgrad_reduce_kernel<<<blocks, kLayoutThreads, 0, stream>>>(partials,
+                                                                 static_cast<float16*>(dw), r);
+      break;
+    case ConvDtype::kBFloat16:
+      wgrad_reduce_kernel<<<blocks, kLayoutThreads, 0, stream>>>(partials,
+                                                                 static_cast<bfloat16*>(dw), r);
+      break;
+    default:
+      wgrad_reduce_kernel<<<blocks, kLayoutThreads, 0, stream>>>(partials, static_cast<float*>(dw),
+                                                                 r);
+      break;
+  }
+  return launch_status("conv2d (wgrad reduction)");
+}
+
+// out[k][p] = bias[k]: the bias as a [K x pixels] matrix, the epilogue source of the 1x1 GEMM
+// (shared by every image, so it stays in L2).
+template <class Bits>
+__global__ void __launch_bounds__(kLayoutThreads)
+    broadcast_bias_kernel(const Bits* bias, Bits* out, int64_t pixels, int64_t count) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < count; idx += stride)
+    out[idx] = bias[idx / pixels];
+}
+
+char* region(char* base, const Plan& plan, int i) { return base + plan.offset[i]; }
+
+// ---- Running the routes -----------------------------------------------------------------------
+
+template <class Bits>
+ffi::Error run_gemm_route(cudaStream_t stream, const ConvQuery& query, const Plan& plan,
+                          const void* a, const void* b, const void* bias, void* out, char* base) {
+  const ConvProblem& p = query.problem;
+  const int64_t pixels = p.H * p.W;
+  BatchedGemm g = plan.gemm;
+  switch (query.pass) {
+    case ConvPass::kForward: {
+      g.a = b, g.b = a, g.d = out;
+      if (bias != nullptr) {
+        Bits* matrix = reinterpret_cast<Bits*>(region(base, plan, 0));
+        broadcast_bias_kernel<Bits><<<grid_blocks(p.K * pixels, kLayoutThreads), kLayoutThreads, 0,
+                                      stream>>>(static_cast<const Bits*>(bias), matrix, pixels,
+                                                p.K * pixels);
+        if (ffi::Error e = launch_status("conv2d (bias)"); e.failure()) return e;
+        g.c = matrix;
+      }
+      return run(plan.math, g, stream);
+    }
+    case ConvPass::kBackwardData:
+      g.a = b, g.b = a, g.d = out;
+      return run(plan.math, g, stream);
+    case ConvPass::kBackwardWeight:
+    default: {
+      float* partials = reinterpret_cast<float*>(region(base, plan, 0));
+      g.a = a, g.b = b, g.d = partials;
+      if (ffi::Error e = run(plan.math, g, stream); e.failure()) return e;
+      WgradReduction r{};
+      r.Kg = p.K, r.Cg = r.Cgp = p.C, r.R = r.S = 1;
+      r.quads = p.K * ceil_div(p.C, 4);
+      r.slices = p.N, r.slice_stride = p.K * p.C, r.group_stride = 0;
+      return launch_wgrad_reduce(stream, query.dtype, partials, out, r);
+    }
+  }
+}
+
+template <class Bits>
+ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Plan& plan,
+                          const void* a, const void* b, const void* bias, void* out, char* base) {
+  const ConvProblem& p = query.problem;
+  const int64_t G = plan.groups, Cg = plan.Cg, Kg = plan.Kg, Cgp = plan.Cgp, Kgp = plan.Kgp;
+  const int64_t eb = plan.element_bytes;
+  const int64_t input_pixels = p.H * p.W, output_pixels = p.P * p.Q;
+  const int64_t x_group = p.N * input_pixels * Cgp * eb, y_group = p.N * output_pixels * Kgp * eb;
+  const int64_t w_group = Kgp * p.R * p.S * Cgp * eb;
+  NhwcConv c = plan.conv;
+
+  WeightJob<Bits> weights{};
+  weights.w = static_cast<const Bits*>(b);
+  weights.Kg = Kg, weights.Cg = Cg, weights.R = p.R, weights.S = p.S;
+  weights.Kgp = Kgp, weights.Cgp = Cgp;
+  weights.weight_count = G * Kgp * p.R * p.S * Cgp;
+
+  switch (query.pass) {
+    case ConvPass::kForward: {
+      char* x_nhwc = region(base, plan, 0);
+      char* w_krsc = region(base, plan, 1);
+      char* bias_padded = region(base, plan, 2);
+      char* y_nhwc = region(base, plan, 3);
+      weights.out = reinterpret_cast<Bits*>(w_krsc);
+      if (bias != nullptr) {
+        weights.bias = static_cast<const Bits*>(bias);
+        weights.bias_out = reinterpret_cast<Bits*>(bias_padded);
+        weights.bias_count = G * Kgp;
+      }
+      if (ffi::Error e = launch_layout<Bits>(
+              stream, {to_nhwc<Bits>(a, x_nhwc, p.N, G, Cg, input_pixels, Cgp)}, &weights);
+          e.failure())
+        return e;
+      for (int64_t g = 0; g < G; ++g) {
+        c.a = x_nhwc + g * x_group;
+        c.b = w_krsc + g * w_group;
+        c.c = bias != nullptr ? bias_padded + g * Kgp * eb : nullptr;
+        c.d = y_nhwc + g * y_group;
+        if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
+      }
+      return launch_layout<Bits>(stream,
+                                 {to_nchw<Bits>(y_nhwc, out, p.N, G, output_pixels, Kg, Kgp)});
+    }
+    case ConvPass::kBackwardData: {
+      char* dy_nhwc = region(base, plan, 0);
+      char* w_t = region(base, plan, 1);
+      char* dx_nhwc = region(base, plan, 2);
+      weights.out = reinterpret_cast<Bits*>(w_t);
+      weights.flip = plan.dgrad_as_fprop;
+      if (ffi::Error e = launch_layout<Bits>(
+              stream, {to_nhwc<Bits>(a, dy_nhwc, p.N, G, Kg, output_pixels, Kgp)}, &weights);
+          e.failure())
+        return e;
+      for (int64_t g = 0; g < G; ++g) {
+        c.a = dy_nhwc + g * y_group;
+        c.b = w_t + g * w_group;
+        c.d = dx_nhwc + g * x_group;
+        if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
+      }
+      return launch_layout<Bits>(stream,
+                                 {to_nchw<Bits>(dx_nhwc, out, p.N, G, input_pixels, Cg, Cgp)});
+    }
+    case ConvPass::kBackwardWeight:
+    default: {
+      char* dy_nhwc = region(base, plan, 0);
+      char* x_nhwc = region(base, plan, 1);
+      float* partials = reinterpret_cast<float*>(region(base, plan, 2));
+      if (ffi::Error e = launch_layout<Bits>(
+              stream, {to_nhwc<Bits>(a, dy_nhwc, p.N, G, Kg, output_pixels, Kgp),
+                       to_nhwc<Bits>(b, x_nhwc, p.N, G, Cg, input_pixels, Cgp)});
+          e.failure())
+        return e;
+      const int64_t partial_size = Kgp * p.R * p.S * Cgp;
+      for (int64_t g = 0; g < G; ++g) {
+        c.a = dy_nhwc + g * y_group;
+        c.b = x_nhwc + g * x_group;
+        c.d = partials + g * c.split_k * partial_size;
+        if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
+      }
+      WgradReduction r{};
+      r.Kg = Kg, r.Cg = Cg, r.R = p.R, r.S = p.S, r.Cgp = Cgp;
+      r.quads = G * Kg * p.R * p.S * ceil_div(Cg, 4);
+      r.slices = c.split_k, r.slice_stride = partial_size, r.group_stride = c.split_k * partial_size;
+      return launch_wgrad_reduce(stream, query.dtype, partials, out, r);
+    }
+  }
+}
+
+template <class Bits>
+ffi::Error run_plan(cudaStream_t stream, const ConvQuery& query, const Plan& plan, const void* a,
+                    const void* b, const void* bias, void* out, char* base) {
+  return plan.route == Route::kGemm
+             ? run_gemm_route<Bits>(stream, query, plan, a, b, bias, out, base)
+             : run_nhwc_route<Bits>(stream, query, plan, a, b, bias, out, base);
+}
+
+}  // namespace
+
+int64_t conv2d_dense_scratch_bytes(const ConvQuery& query) {
+  const Plan plan = make_plan(query);
+  return plan.route == Route::kDecline ? -1 : plan.bytes;
+}
+
+ffi::Error conv2d_dense(cudaStream_t stream, const ConvQuery& query, const void* a, const void* b,
+                        const void* bias, void* out, void* scratch, int64_t scratch_bytes) {
+  const Plan plan = make_plan(query);
+  if (plan.route == Route::kDecline)
+    return ffi::Error::InvalidArgument(
+        "conv2d: the tensor-core path does not take this problem (its scratch query declined it)");
+  if (scratch_bytes < plan.bytes || (plan.bytes > 0 && scratch == nullptr))
+    return ffi::Error::InvalidArgument("conv2d: tensor-core path got " +
+                                       std::to_string(scratch_bytes) + " scratch bytes, needs " +
+                                       std::to_string(plan.bytes));
+  char* base = reinterpret_cast<char*>(
+      round_up(int64_t(reinterpret_cast<uintptr_t>(scratch)), kScratchAlign));
+  if (plan.element_bytes == 2)
+    return run_plan<uint16_t>(stream, query, plan, a, b, bias, out, base);
+  return run_plan<uint32_t>(stream, query, plan, a, b, bias, out, base);
+}
+
+}  // namespace jax_kernels
+
+#else  // no CUTLASS headers at build time: every problem goes to the direct kernels
 
 namespace jax_kernels {
 
@@ -8,9 +728,15 @@ int64_t conv2d_dense_scratch_bytes(const ConvQuery&) { return -1; }
 
 ffi::Error conv2d_dense(cudaStream_t, const ConvQuery&, const void*, const void*, const void*, void*,
                         void*, int64_t) {
-  return ffi::Error(ffi::ErrorCode::kUnimplemented, "conv2d: tensor-core path not built");
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "conv2d: built without CUTLASS, the tensor-core path is not available");
 }
 
+}  // namespace jax_kernels
+
+#endif
+
+namespace jax_kernels {
 namespace {
 int64_t conv2d_dense_scratch_query(const std::vector<int64_t>& arguments) {
   ConvQuery query;

@@ -41,7 +41,8 @@ __device__ __forceinline__ A apply(const Functor& f, const A (&values)[kOperands
   return f(values[I]...);
 }
 
-// No broadcasting: V elements per thread per step, 16-byte loads of every operand.
+// No broadcasting: V elements per thread, 16-byte loads of every operand. Launched with a full
+// grid (one vector per thread); the loop only guards the 2^31-block limit.
 template <class T, class OutT, int kOperands, class Functor>
 __global__ void elementwise_contiguous_kernel(Functor f, Operands<T, kOperands> in, OutT* out,
                                               int64_t n) {
@@ -115,7 +116,7 @@ ffi::Error elementwise(cudaStream_t stream, const char* op, const Functor& funct
     const int64_t items = vectorizable ? std::max<int64_t>(g.count / V, 1) : g.count;
     if (vectorizable) {
       elementwise_contiguous_kernel<T, OutT, kOperands>
-          <<<grid_blocks(items, kThreads), kThreads, 0, stream>>>(functor, in, result, g.count);
+          <<<full_grid_blocks(items, kThreads), kThreads, 0, stream>>>(functor, in, result, g.count);
     } else {
       g.rank = 1;  // plain indexing: one dim, unit strides
       g.dims[0] = g.count;

@@ -2,6 +2,8 @@
 // output row per block row so that each thread does a single modulo; the backward gives each x
 // element one thread (or a warp, or a block, when x is small and the copies many) that sums its
 // copies in a fixed order and tree.
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -13,24 +15,78 @@ namespace jax_kernels {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int64_t kBulkMinRowBytes = 512;   // shorter rows make bulk copies too small to pay
+constexpr int64_t kBulkTileBytes = 32768;   // shared memory per block (under the 48 KB default)
 
-// Rows of at least one block: grid.x tiles a row, grid.y strides over rows; the x offset of a
-// row is computed once per block.
+// Rows of at least one block: each block writes `rows_per_block` whole output rows, its threads
+// striding along a row; the x offset of a row is computed once per row and thread. Streaming
+// stores (the output is not read back soon) leave L2 to x, which every row re-reads.
 template <class Chunk>
 __global__ void repeat_rows_kernel(const Chunk* __restrict__ x, Chunk* __restrict__ out,
-                                   RepeatGeometry g, int64_t rows) {
-  __shared__ int64_t x_row_offset;
+                                   RepeatGeometry g, int64_t rows, int64_t rows_per_block) {
   const int last = g.rank - 1;
   const int64_t x_row = g.size[last];
   const int64_t out_row = x_row * g.repeats[last];
-  const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t x_col = j % x_row;
-  for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
-    if (threadIdx.x == 0) x_row_offset = g.x_offset(row * out_row);
-    __syncthreads();
-    if (j < out_row) out[row * out_row + j] = x[x_row_offset + x_col];
-    __syncthreads();
+  const int64_t first = int64_t(blockIdx.x) * rows_per_block;
+  const int64_t end = first + rows_per_block < rows ? first + rows_per_block : rows;
+  for (int64_t row = first; row < end; ++row) {
+    const Chunk* src = x + g.x_offset(row * out_row);
+    Chunk* dst = out + row * out_row;
+    if (out_row <= 0xffffffff) {  // 32-bit column arithmetic
+      const uint32_t n = uint32_t(out_row), m = uint32_t(x_row);
+#pragma unroll 4
+      for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) __stcs(dst + j, src[j % m]);
+    } else {
+      for (int64_t j = threadIdx.x; j < out_row; j += blockDim.x) __stcs(dst + j, src[j % x_row]);
+    }
   }
+}
+
+// Hopper and newer, rows of whole 16-byte chunks: each block loads one tile of one x row into
+// shared memory once and hands every copy of it to the bulk-copy engine (cp.async.bulk
+// shared -> global), so x is read exactly once and the stores run at the write bandwidth
+// (0.99x the copy floor for 2048x2048 by (4, 4) in scripts/bench_variants.cu, against 1.13x
+// for the row kernel). grid = (x rows, tiles per row, slices of the copies).
+__global__ void repeat_bulk_kernel(const unsigned char* __restrict__ x, unsigned char* __restrict__ out,
+                                   RepeatGeometry g, int64_t width, int64_t tile_bytes,
+                                   int64_t copies_per_block) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) uint4 tile[];
+  const int last = g.rank - 1;
+  const int64_t row_bytes = g.size[last] * width;
+  const int64_t x_row = blockIdx.x;
+  const int64_t start = int64_t(blockIdx.y) * tile_bytes;
+  const int64_t bytes = row_bytes - start < tile_bytes ? row_bytes - start : tile_bytes;
+  const uint4* src = reinterpret_cast<const uint4*>(x + x_row * row_bytes + start);
+  for (int64_t j = threadIdx.x; j < bytes / 16; j += blockDim.x) tile[j] = src[j];
+  // Make the ordinary shared-memory stores visible to the bulk-copy engine before it reads.
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncthreads();
+  const int64_t base = g.element_offset(x_row * g.size[last]) * width + start;
+  const int64_t first = int64_t(blockIdx.z) * copies_per_block;
+  const int64_t end = first + copies_per_block < g.copies ? first + copies_per_block : g.copies;
+  const unsigned shared = unsigned(__cvta_generic_to_shared(tile));
+  for (int64_t c = first + threadIdx.x; c < end; c += blockDim.x) {
+    unsigned char* dst = out + base + g.copy_offset(c) * width;
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                 :: "l"(dst), "r"(shared), "r"(unsigned(bytes)) : "memory");
+  }
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+  // The tile must outlive the engine's reads of it.
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+#endif
+}
+
+bool has_bulk_copy() {
+  static std::atomic<int> major[64];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return false;
+  int m = major[device].load(std::memory_order_relaxed);
+  if (m == 0) {
+    if (cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
+    major[device].store(m, std::memory_order_relaxed);
+  }
+  return m >= 9;
 }
 
 // Short rows: one output chunk per thread with the full index map.
@@ -48,10 +104,12 @@ void launch_forward(cudaStream_t stream, const void* x, void* out, const RepeatG
   const int64_t out_row = g.size[last] * g.repeats[last];
   const int64_t rows = g.out_count / out_row;
   if (out_row >= kThreads) {
-    const dim3 grid(unsigned((out_row + kThreads - 1) / kThreads),
-                    unsigned(std::min<int64_t>(rows, 65535)));
-    repeat_rows_kernel<Chunk><<<grid, kThreads, 0, stream>>>(static_cast<const Chunk*>(x),
-                                                             static_cast<Chunk*>(out), g, rows);
+    // About four blocks per multiprocessor's worth of rows each, at most 16 rows per block.
+    const int64_t rows_per_block =
+        std::max<int64_t>(1, std::min<int64_t>(16, rows / (int64_t(multiprocessor_count()) * 4)));
+    const unsigned blocks = unsigned((rows + rows_per_block - 1) / rows_per_block);
+    repeat_rows_kernel<Chunk><<<blocks, kThreads, 0, stream>>>(
+        static_cast<const Chunk*>(x), static_cast<Chunk*>(out), g, rows, rows_per_block);
   } else {
     repeat_flat_kernel<Chunk><<<grid_blocks(g.out_count, kThreads), kThreads, 0, stream>>>(
         static_cast<const Chunk*>(x), static_cast<Chunk*>(out), g);
@@ -70,6 +128,23 @@ ffi::Error repeat_forward(cudaStream_t stream, ffi::AnyBuffer x, ffi::Span<const
   // is then the same with sizes counted in chunks.
   const int64_t width = ffi::ByteWidth(x.element_type());
   const int64_t row_bytes = g.size[g.rank - 1] * width;
+  if (row_bytes >= kBulkMinRowBytes && row_bytes % 16 == 0 && g.copies >= 2 && has_bulk_copy() &&
+      (reinterpret_cast<uintptr_t>(x.untyped_data()) | reinterpret_cast<uintptr_t>(out->untyped_data())) % 16 == 0) {
+    const int64_t rows = g.x_count / g.size[g.rank - 1];
+    const int64_t tile_bytes = std::min<int64_t>(row_bytes, kBulkTileBytes);
+    const int64_t tiles = (row_bytes + tile_bytes - 1) / tile_bytes;
+    // Enough blocks to fill the machine: split the copies when x has few rows.
+    const int64_t want = int64_t(multiprocessor_count()) * 8;
+    const int64_t splits = std::min<int64_t>({g.copies, 65535, std::max<int64_t>(1, want / (rows * tiles))});
+    const int64_t copies_per_block = (g.copies + splits - 1) / splits;
+    if (rows <= 0x7fffffff && tiles <= 65535) {
+      const dim3 grid(unsigned(rows), unsigned(tiles), unsigned((g.copies + copies_per_block - 1) / copies_per_block));
+      repeat_bulk_kernel<<<grid, 128, size_t(tile_bytes), stream>>>(
+          static_cast<const unsigned char*>(x.untyped_data()), static_cast<unsigned char*>(out->untyped_data()),
+          g, width, tile_bytes, copies_per_block);
+      return launch_status("repeat");
+    }
+  }
   const uintptr_t addresses =
       reinterpret_cast<uintptr_t>(x.untyped_data()) | reinterpret_cast<uintptr_t>(out->untyped_data());
   int64_t chunk = 16;
@@ -83,6 +158,7 @@ ffi::Error repeat_forward(cudaStream_t stream, ffi::AnyBuffer x, ffi::Span<const
     case 8: launch_forward<uint2>(stream, x.untyped_data(), out->untyped_data(), g); break;
     case 4: launch_forward<uint32_t>(stream, x.untyped_data(), out->untyped_data(), g); break;
     case 2: launch_forward<uint16_t>(stream, x.untyped_data(), out->untyped_data(), g); break;
+    case 1: launch_forward<uint8_t>(stream, x.untyped_data(), out->untyped_data(), g); break;
     default: return ffi::Error::InvalidArgument("repeat: unsupported element width");
   }
   return launch_status("repeat");
@@ -155,7 +231,7 @@ ffi::Error repeat_backward(cudaStream_t stream, ffi::AnyBuffer dout,
       fill_zero_kernel<T><<<grid_blocks(g.x_count, kThreads), kThreads, 0, stream>>>(result, g.x_count);
     } else if (g.x_count >= sms * 512 || g.copies < 64) {
       repeat_backward_kernel<T, 1>
-          <<<grid_blocks(g.x_count, kThreads), kThreads, table_bytes, stream>>>(in, result, g);
+          <<<full_grid_blocks(g.x_count, kThreads), kThreads, table_bytes, stream>>>(in, result, g);
     } else if (g.x_count >= sms * 8) {
       repeat_backward_kernel<T, 32>
           <<<grid_blocks(g.x_count * 32, kThreads), kThreads, table_bytes, stream>>>(in, result, g);

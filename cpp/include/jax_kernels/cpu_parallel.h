@@ -1,37 +1,122 @@
-// CPU threading for the kernels: a static partition of [0, n) over OpenMP threads. Every index
-// is handled by exactly one thread with a fixed amount of work, so results never depend on the
-// thread count or on scheduling.
+// CPU threading for the kernels: parallel_for splits [0, n) into one contiguous chunk per thread
+// of a small persistent pool whose idle workers sleep. Every index is handled by exactly one
+// thread with the same code, so results never depend on the thread count or on scheduling.
+//
+// Not OpenMP: its default spin-wait keeps idle workers burning the cores XLA's own threads
+// need, which made every op about 10x slower on a loaded 2-core machine.
 #pragma once
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstdint>
-
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
+#include <cstdlib>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
 
 namespace jax_kernels {
 
+class ThreadPool {
+ public:
+  // Threads in all, the caller included: JAX_KERNELS_NUM_THREADS, else the hardware's count.
+  static ThreadPool& instance() {
+    static ThreadPool pool(configured_threads());
+    return pool;
+  }
+
+  int threads() const { return int(workers_.size()) + 1; }
+
+  // Runs task(c) for c in [0, chunks), chunks <= threads(), and returns when all are done.
+  // Returns false without running anything when the pool is busy (a concurrent or nested
+  // call); the caller then runs the work itself.
+  bool try_run(int chunks, const std::function<void(int)>& task) {
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (!busy.owns_lock()) return false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      task_ = &task;
+      chunks_ = chunks;
+      pending_ = chunks - 1;
+      ++generation_;
+    }
+    wake_.notify_all();
+    task(0);
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [&] { return pending_ == 0; });
+    task_ = nullptr;
+    return true;
+  }
+
+  ~ThreadPool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& worker : workers_) worker.join();
+  }
+
+ private:
+  explicit ThreadPool(int threads) {
+    for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i] { work(i); });
+  }
+
+  static int configured_threads() {
+    if (const char* env = std::getenv("JAX_KERNELS_NUM_THREADS")) {
+      const int n = std::atoi(env);
+      if (n > 0) return n;
+    }
+    return std::max(1u, std::thread::hardware_concurrency());
+  }
+
+  void work(int index) {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* task;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        if (index >= chunks_) continue;
+        task = task_;
+      }
+      (*task)(index);
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex busy_;   // one parallel_for at a time
+  std::mutex mutex_;  // guards the fields below
+  std::condition_variable wake_, done_;
+  const std::function<void(int)>* task_ = nullptr;
+  int chunks_ = 0;
+  int pending_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+};
+
+// Threads parallel_for may use, the caller included (for sizing work splits).
+inline int parallel_threads() { return ThreadPool::instance().threads(); }
+
 // Calls body(begin, end) on disjoint chunks covering [0, n). Runs serially when the work is
-// below `grain` items, where thread start-up would cost more than it saves.
+// below `grain` items per extra thread, where waking threads would cost more than it saves.
 template <class Body>
 void parallel_for(int64_t n, int64_t grain, Body&& body) {
   if (n <= 0) return;
-#if defined(_OPENMP)
-  const int64_t max_threads = omp_get_max_threads();
-  const int64_t threads = std::min<int64_t>(max_threads, std::max<int64_t>(1, n / std::max<int64_t>(grain, 1)));
-  if (threads > 1) {
-#pragma omp parallel num_threads(static_cast<int>(threads))
-    {
-      const int64_t t = omp_get_thread_num();
-      const int64_t nt = omp_get_num_threads();
-      const int64_t begin = n * t / nt;
-      const int64_t end = n * (t + 1) / nt;
+  ThreadPool& pool = ThreadPool::instance();
+  const int64_t chunks =
+      std::min<int64_t>(pool.threads(), std::max<int64_t>(1, n / std::max<int64_t>(grain, 1)));
+  if (chunks > 1) {
+    const std::function<void(int)> task = [&](int c) {
+      const int64_t begin = n * c / chunks, end = n * (c + 1) / chunks;
       if (begin < end) body(begin, end);
-    }
-    return;
+    };
+    if (pool.try_run(int(chunks), task)) return;
   }
-#endif
   body(int64_t{0}, n);
 }
 

@@ -41,4 +41,11 @@ inline unsigned grid_blocks(int64_t items, int threads, int blocks_per_sm = 16) 
   return unsigned(std::max<int64_t>(1, std::min(needed, cap)));
 }
 
+// Blocks for one item per thread with no grid-stride reuse: for streaming kernels, where a
+// full grid measured faster on the H100 than a capped grid-stride loop.
+inline unsigned full_grid_blocks(int64_t items, int threads) {
+  const int64_t needed = (items + threads - 1) / threads;
+  return unsigned(std::max<int64_t>(1, std::min<int64_t>(needed, 0x7fffffff)));
+}
+
 }  // namespace jax_kernels

@@ -10,9 +10,13 @@ namespace jax_kernels {
 // end - (end - start) * (1 - w). It gives lerp(a, b, 0) == a and lerp(a, b, 1) == b exactly.
 template <class A>
 JK_HD A lerp_value(A start, A end, A weight) {
+  // Both sides computed and selected (no branch): vectorizes on the CPU, diverges nowhere on
+  // the GPU, and a random weight costs no mispredictions.
   const A diff = end - start;
-  const bool small = weight < A(0.5) && weight > A(-0.5);
-  return small ? start + weight * diff : end - diff * (A(1) - weight);
+  const A from_start = start + weight * diff;
+  const A from_end = end - diff * (A(1) - weight);
+  const bool small = (weight < A(0.5)) & (weight > A(-0.5));
+  return small ? from_start : from_end;
 }
 
 // Each gradient functor maps (dout, operands...) to the gradient element.

@@ -1,0 +1,90 @@
+// Internal interface between the tensor-core dispatcher (conv_dense.cu: planning, layout kernels)
+// and the CUTLASS instantiations (conv_dense_<math>.cu, one file per math mode so that they compile
+// in parallel). Only plain C++ types cross it; CUTLASS types stay inside conv_dense_cutlass.cuh.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "jax_kernels/ffi_util.h"
+
+namespace jax_kernels {
+namespace conv_dense {
+
+// Element type and tensor-core instruction: half types multiply on f16/bf16 tensor cores, float32
+// on TF32 (kTF32) or on three TF32 products that recover float32 accuracy (kFloat32x3, CUTLASS's
+// OpMultiplyAddFastF32: a = big + small, a*b ~ big*big + big*small + small*big). All accumulate in
+// float32.
+enum class Math { kFloat16, kBFloat16, kTF32, kFloat32x3 };
+
+// Tile class of a kernel: narrow when the GEMM dimension that runs over output channels (filters
+// for fprop and wgrad, input channels for dgrad) is at most 64, wide otherwise.
+enum class TileClass { kNarrow, kWide };
+
+// Implicit-GEMM convolution on NHWC tensors (CUTLASS 2.x, Sm80 tensor ops, optimized iterators).
+enum class NhwcKernel {
+  kFprop,         // a = x [N,H,W,C], b = w [K,R,S,C], c = bias [K] or null, d = y [N,P,Q,K]
+  kStridedDgrad,  // a = dy [N,P,Q,K], b = w [K,R,S,C], d = dx [N,H,W,C]
+  kWgrad,         // a = dy [N,P,Q,K], b = x [N,H,W,C], d = float32 partials [split_k][K,R,S,C]
+};
+
+struct NhwcConv {
+  NhwcKernel kernel;
+  TileClass tile;
+  int N, H, W, C, K, R, S, P, Q;
+  int pad_h, pad_w, stride_h, stride_w, dilation_h, dilation_w;
+  int split_k;  // wgrad: slices of N*P*Q, each writing its own partial sum (no atomics); else 1
+  const void* a;
+  const void* b;
+  const void* c;
+  void* d;
+};
+
+// Batched GEMM on NCHW data, for 1x1 / stride 1 / no padding convolutions (no layout change):
+// for each image n, D[n] (M x N) = A[n] (M x K) * B[n] (K x N), all matrices with unit stride in
+// the dimension named below and leading dimensions lda / ldb / ldd.
+enum class GemmKernel {
+  kFprop,  // A = w [K_out x C] row-major (batch stride 0), B = x[n] [C x HW] row-major, D = y[n];
+           // c = bias expanded to [K_out x HW] (batch stride 0) or null
+  kDgrad,  // A = w^T [C x K_out] column-major (batch stride 0), B = dy[n] [K_out x HW] row-major,
+           // D = dx[n]
+  kWgrad,  // A = dy[n] [K_out x HW] row-major, B = x[n]^T [HW x C] column-major, D = float32
+           // partial dw[n] [K_out x C]
+};
+
+struct BatchedGemm {
+  GemmKernel kernel;
+  TileClass tile;
+  int M, N, K;
+  int64_t lda, ldb, ldd;
+  int batch_count;
+  int64_t batch_stride_a, batch_stride_b, batch_stride_d;
+  const void* a;
+  const void* b;
+  const void* c;
+  void* d;
+};
+
+// Host-only (never touches the device, so the scratch query works without a GPU): whether the
+// kernel of this math mode takes the problem. Pointers may be null here.
+template <Math M>
+bool can_implement(const NhwcConv& conv);
+template <Math M>
+bool can_implement(const BatchedGemm& gemm);
+
+// Output tiles of the kernel that runs the problem (blocks per split-K slice, or per image),
+// from its tile shape: the planner sizes splits with it. Host-only.
+template <Math M>
+int64_t output_tiles(const NhwcConv& conv);
+template <Math M>
+int64_t output_tiles(const BatchedGemm& gemm);
+
+// Launches on the stream; re-checks can_implement (with the real pointers) first.
+template <Math M>
+ffi::Error run(const NhwcConv& conv, cudaStream_t stream);
+template <Math M>
+ffi::Error run(const BatchedGemm& gemm, cudaStream_t stream);
+
+}  // namespace conv_dense
+}  // namespace jax_kernels

@@ -1,0 +1,507 @@
+// roi_align math (torchvision.ops.roi_align semantics), host and device: the static problem, the
+// geometry of one box (bin sizes, sample grid, sample positions), the bilinear weights of one
+// sample along one axis, the derivatives of sample positions with respect to the box
+// coordinates, and the search for the samples that can reach a range of input rows or columns.
+//
+// A box's samples are separable: sample (ty, tx) sits at (y(ty), x(tx)), where
+// ty = ph * grid_h + iy indexes the samples of all bins along y, and the bilinear weight of input
+// cell (h, w) is the product of a row weight and a column weight. Every function works in the
+// accumulation type A.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "jax_kernels/ffi_util.h"
+#include "jax_kernels/scalar.h"
+
+// Unrolls the fixed-length channel loops in device code (the host compiler chooses for itself).
+#if defined(__CUDA_ARCH__)
+#define ROI_ALIGN_UNROLL _Pragma("unroll")
+#else
+#define ROI_ALIGN_UNROLL
+#endif
+
+namespace jax_kernels {
+
+// Upper bound of the adaptive sample grid (sampling_ratio <= 0) per axis and bin: only boxes larger
+// than 2^20 output bins' worth of pixels reach it. Whatever the grid, only the samples that can lie
+// inside the input are visited (see RoiAxis::candidates), so a box costs at most about
+// (2 H + 3 PH + 9) x (2 W + 3 PW + 9) samples.
+constexpr int64_t kRoiAlignMaxAdaptiveGrid = int64_t(1) << 20;
+
+// How boxes map to images. Unbatched, box k reads image `batch_index` (an integer in [0, images)).
+// Each vmap that the Python folds into the input's N axis adds a term: box k then reads image
+//   batch_index + sum over terms of ((k / divisor) % modulus) * stride,
+// where divisor is the box count and stride the image count before that fold, and modulus the
+// mapped axis size; folds of the boxes alone leave the terms as they are.
+constexpr int kRoiAlignMaxBatchTerms = 8;
+
+struct RoiAlignBatching {
+  int64_t images = 0;
+  int terms = 0;
+  int64_t divisor[kRoiAlignMaxBatchTerms] = {};
+  int64_t modulus[kRoiAlignMaxBatchTerms] = {};
+  int64_t stride[kRoiAlignMaxBatchTerms] = {};
+
+  JK_HD int64_t image_offset(int64_t k) const {
+    int64_t offset = 0;
+    for (int i = 0; i < terms; ++i) offset += ((k / divisor[i]) % modulus[i]) * stride[i];
+    return offset;
+  }
+};
+
+struct RoiAlignProblem {
+  int64_t N, C, H, W;  // input [N, C, H, W]
+  int64_t K;           // boxes [K, 5]
+  int64_t PH, PW;      // output [K, C, PH, PW]
+  double spatial_scale;
+  int64_t sampling_ratio;  // > 0: fixed grid per bin; <= 0: adaptive ceil(roi size / bins)
+  bool aligned;
+  RoiAlignBatching batching;
+
+  JK_HD int64_t bins() const { return PH * PW; }
+};
+
+// The bilinear footprint of one sample along one axis: indices low/high (equal at the far edge)
+// with weights w_low/w_high, and slope = d w_high / d position (1 inside, 0 where the position is
+// clamped to the first or last index, where the value does not move with the position).
+template <class A>
+struct AxisSample {
+  int64_t low, high;
+  A w_low, w_high;
+  A slope;
+  bool valid;  // torchvision drops samples outside [-1, size]; NaN positions are outside too
+
+  // Weight of input index i (the two terms coincide at the clamped far edge, where w_high is 0).
+  JK_HD A weight_of(int64_t i) const {
+    return (i == low ? w_low : A(0)) + (i == high ? w_high : A(0));
+  }
+};
+
+template <class A>
+JK_HD AxisSample<A> axis_sample(A position, int64_t size) {
+  AxisSample<A> s{0, 0, A(0), A(0), A(0), false};
+  // Written as "inside" so that NaN fails it.
+  if (!(position >= A(-1) && position <= A(size))) return s;
+  s.valid = true;
+  A p = position;
+  s.slope = A(1);
+  if (p <= A(0)) {
+    p = A(0);
+    s.slope = A(0);
+  }
+  s.low = int64_t(p);
+  if (s.low >= size - 1) {
+    s.low = s.high = size - 1;
+    p = A(s.low);
+    s.slope = A(0);
+  } else {
+    s.high = s.low + 1;
+  }
+  s.w_high = p - A(s.low);
+  s.w_low = A(1) - s.w_high;
+  return s;
+}
+
+// One axis of a box: `bins` bins of size `bin` from `start`, `grid` samples per bin.
+template <class A>
+struct RoiAxis {
+  A start;
+  A bin;
+  int64_t grid;  // 0: no samples (adaptive grid of an empty or NaN box)
+  int64_t bins;
+  A scale;            // spatial_scale: d start / d first coordinate
+  bool size_clamped;  // aligned=False and the size was raised to 1: it no longer follows the box
+  // For candidates(): whether start and bin are finite (else every position is NaN or infinite),
+  // grid / bin (0 when bin is 0: every sample sits at start), and the rounding margin of the
+  // positions (at most one pixel).
+  bool finite;
+  double inverse_step, margin;
+  // Input indices that samples can give weight to; the whole axis unless narrow_span() ran.
+  int64_t span_first, span_last;
+
+  JK_HD int64_t samples() const { return bins * grid; }
+
+  // Position of sample t = bin * grid + sub, in torchvision's order of operations.
+  JK_HD A position(int64_t t) const {
+    const int64_t b = t / grid;
+    const int64_t sub = t - b * grid;
+    return start + A(b) * bin + A(float(sub) + 0.5f) * bin / A(grid);
+  }
+
+  // Fraction of the box from its first edge to sample t: position = start + size * fraction.
+  JK_HD A fraction(int64_t t) const {
+    const int64_t b = t / grid;
+    const int64_t sub = t - b * grid;
+    return (A(b) + (A(sub) + A(0.5)) / A(grid)) / A(bins);
+  }
+  // d position / d first coordinate (x1 or y1) and d position / d second coordinate (x2 or y2),
+  // with the grid held fixed.
+  JK_HD A d_first(int64_t t) const { return size_clamped ? scale : scale * (A(1) - fraction(t)); }
+  JK_HD A d_second(int64_t t) const { return size_clamped ? A(0) : scale * fraction(t); }
+
+  // The samples t in [t_begin, t_end) whose position can lie in [lo, hi], as [*first, *last): the
+  // affine sample map inverted in double precision, widened by the rounding margin and one sample
+  // on each side. A superset: callers test each candidate. The count is at most about
+  // (hi - lo + 2) / |bin / grid| + 3, which keeps every loop over candidates short whatever the
+  // box: adaptive grids have a spacing of at least 1/2 pixel.
+  JK_HD void candidates(A lo, A hi, int64_t t_begin, int64_t t_end, int64_t* first,
+                        int64_t* last) const {
+    *first = *last = t_begin;
+    if (grid <= 0 || t_begin >= t_end || !finite) return;
+    const double s = double(start);
+    const double lo_d = double(lo) - margin, hi_d = double(hi) + margin;
+    double u_min, u_max;
+    if (inverse_step == 0.0) {
+      if (!(s >= lo_d && s <= hi_d)) return;
+      u_min = double(t_begin);
+      u_max = double(t_end);
+    } else {
+      const double u0 = (lo_d - s) * inverse_step - 0.5, u1 = (hi_d - s) * inverse_step - 0.5;
+      u_min = std::floor(u0 < u1 ? u0 : u1) - 1.0;
+      u_max = std::ceil(u0 < u1 ? u1 : u0) + 2.0;  // exclusive
+    }
+    u_min = u_min > double(t_begin) ? u_min : double(t_begin);
+    u_max = u_max < double(t_end) ? u_max : double(t_end);
+    if (!(u_min < u_max)) return;
+    *first = int64_t(u_min);
+    *last = int64_t(u_max);
+  }
+};
+
+template <class A>
+struct RoiBox {
+  int64_t image;  // input image of the box, -1 when the batch index is not an integer in range
+  RoiAxis<A> y, x;
+  A count;  // samples per bin, at least 1: the output is their sum over count
+};
+
+// Image read by box k whose batch-index column holds `batch`: -1 unless `batch` is an integer in
+// [0, batching.images) and the image exists.
+template <class A>
+JK_HD int64_t roi_image(A batch, int64_t k, const RoiAlignProblem& p) {
+  if (p.H <= 0 || p.W <= 0) return -1;  // nothing to sample
+  if (!(batch >= A(0) && batch < A(p.batching.images))) return -1;
+  const int64_t index = int64_t(batch);
+  if (A(index) != batch) return -1;
+  const int64_t image = index + p.batching.image_offset(k);
+  return image < p.N ? image : -1;
+}
+
+template <class A>
+JK_HD RoiAxis<A> roi_axis(A first, A second, int64_t bins, int64_t extent,
+                          const RoiAlignProblem& p) {
+  RoiAxis<A> axis;
+  axis.scale = A(p.spatial_scale);
+  axis.bins = bins;
+  // torchvision subtracts the half-pixel offset from both ends and takes their difference.
+  const A offset = p.aligned ? A(0.5) : A(0);
+  axis.start = first * axis.scale - offset;
+  A size = (second * axis.scale - offset) - axis.start;
+  axis.size_clamped = !p.aligned && size < A(1);  // NaN stays NaN: the box then samples nothing
+  if (axis.size_clamped) size = A(1);
+  axis.bin = size / A(bins);
+  if (p.sampling_ratio > 0) {
+    axis.grid = p.sampling_ratio;
+  } else {
+    const A grid = std::ceil(size / A(bins));
+    axis.grid = grid >= A(1) ? (grid < A(kRoiAlignMaxAdaptiveGrid) ? int64_t(grid)
+                                                                    : kRoiAlignMaxAdaptiveGrid)
+                             : 0;
+  }
+  const double s = double(axis.start), b = double(axis.bin);
+  axis.finite = std::isfinite(s) && std::isfinite(b);
+  axis.inverse_step = axis.finite && b != 0.0 ? double(axis.grid) / b : 0.0;
+  const double margin = 16.0 * double(std::numeric_limits<A>::epsilon()) *
+                        (std::fabs(s) + std::fabs(b) * double(bins + 1));
+  axis.margin = margin < 1.0 ? margin : 1.0;
+  axis.span_first = 0;
+  axis.span_last = extent - 1;
+  return axis;
+}
+
+// Geometry of box k from its row (batch_index, x1, y1, x2, y2).
+template <class T>
+JK_HD RoiBox<acc_t<T>> roi_box(const T* boxes, int64_t k, const RoiAlignProblem& p) {
+  using A = acc_t<T>;
+  const T* row = boxes + 5 * k;
+  RoiBox<A> box;
+  box.image = roi_image(to_acc(row[0]), k, p);
+  box.x = roi_axis(to_acc(row[1]), to_acc(row[3]), p.PW, p.W, p);
+  box.y = roi_axis(to_acc(row[2]), to_acc(row[4]), p.PH, p.H, p);
+  const int64_t count = box.y.grid * box.x.grid;
+  box.count = A(count > 0 ? count : 1);
+  return box;
+}
+
+// Candidate samples of bin `b` along `axis` that can lie inside an input extent of `size`.
+template <class A>
+JK_HD void bin_candidates(const RoiAxis<A>& axis, int64_t b, int64_t size, int64_t* first,
+                          int64_t* last) {
+  axis.candidates(A(-1), A(size), b * axis.grid, (b + 1) * axis.grid, first, last);
+}
+
+// Candidate samples (over all bins) that can touch input index i along `axis`: a sample touches i
+// only if its position lies in [i - 1, i + 1] (clamping maps [-1, 0] to 0 and [size - 1, size]
+// to size - 1, both inside that interval).
+template <class A>
+JK_HD void index_candidates(const RoiAxis<A>& axis, int64_t i, int64_t* first, int64_t* last) {
+  axis.candidates(A(i - 1), A(i + 1), 0, axis.samples(), first, last);
+}
+
+// Narrows axis.span_first/span_last to the indices that valid samples can give weight to:
+// positions grow (or fall) with the sample index, so the first and the last valid candidates bound
+// them, widened by one index against rounding. An axis without valid samples gets an empty span.
+template <class A>
+JK_HD void narrow_span(RoiAxis<A>& axis, int64_t extent) {
+  int64_t t0, t1;
+  axis.candidates(A(-1), A(extent), 0, axis.samples(), &t0, &t1);
+  int64_t first = extent, last = -1;
+  for (int64_t t = t0; t < t1; ++t) {
+    const AxisSample<A> s = axis_sample(axis.position(t), extent);
+    if (!s.valid) continue;
+    first = s.low < first ? s.low : first;
+    last = s.high > last ? s.high : last;
+    break;
+  }
+  for (int64_t t = t1 - 1; t >= t0; --t) {
+    const AxisSample<A> s = axis_sample(axis.position(t), extent);
+    if (!s.valid) continue;
+    first = s.low < first ? s.low : first;
+    last = s.high > last ? s.high : last;
+    break;
+  }
+  axis.span_first = first > 0 ? first - 1 : 0;
+  axis.span_last = last < extent - 1 ? last + 1 : extent - 1;
+  if (last < 0) axis.span_first = extent, axis.span_last = -1;
+}
+
+// The geometry of box k for the input gradient's gather: spans narrowed to the rows and columns
+// that its samples touch.
+template <class T>
+JK_HD RoiBox<acc_t<T>> roi_box_with_spans(const T* boxes, int64_t k, const RoiAlignProblem& p) {
+  RoiBox<acc_t<T>> box = roi_box(boxes, k, p);
+  narrow_span(box.y, p.H);
+  narrow_span(box.x, p.W);
+  return box;
+}
+
+// ---- sample loops shared by every pass on both backends -----------------------------------------
+
+// Calls f(ty, sy, tx, sx) for every valid sample of bin `bin` (= ph * PW + pw), rows outer and
+// columns inner, each in ascending order.
+template <class A, class F>
+JK_HD void for_each_bin_sample(const RoiBox<A>& box, int64_t bin, const RoiAlignProblem& p, F&& f) {
+  int64_t ty0, ty1, tx0, tx1;
+  bin_candidates(box.y, bin / p.PW, p.H, &ty0, &ty1);
+  bin_candidates(box.x, bin % p.PW, p.W, &tx0, &tx1);
+  for (int64_t ty = ty0; ty < ty1; ++ty) {
+    const AxisSample<A> sy = axis_sample(box.y.position(ty), p.H);
+    if (!sy.valid) continue;
+    for (int64_t tx = tx0; tx < tx1; ++tx) {
+      const AxisSample<A> sx = axis_sample(box.x.position(tx), p.W);
+      if (sx.valid) f(ty, sy, tx, sx);
+    }
+  }
+}
+
+// Calls f(t, weight) for every sample t along `axis` that gives input index i a nonzero weight,
+// in ascending t.
+template <class A, class F>
+JK_HD void for_each_index_sample(const RoiAxis<A>& axis, int64_t i, int64_t extent, F&& f) {
+  if (i < axis.span_first || i > axis.span_last) return;
+  int64_t t0, t1;
+  index_candidates(axis, i, &t0, &t1);
+  for (int64_t t = t0; t < t1; ++t) {
+    const AxisSample<A> s = axis_sample(axis.position(t), extent);
+    const A weight = s.valid ? s.weight_of(i) : A(0);
+    if (weight != A(0)) f(t, weight);
+  }
+}
+
+// Whether some valid sample along `axis` gives input index i a nonzero weight.
+template <class A>
+JK_HD bool touches(const RoiAxis<A>& axis, int64_t i, int64_t extent) {
+  bool touched = false;
+  for_each_index_sample(axis, i, extent, [&](int64_t, A) { touched = true; });
+  return touched;
+}
+
+// Calls f(bin, wy, wx) for every sample of `box` that gives input cell (h, w) a nonzero bilinear
+// weight wy * wx, in ascending (ty, tx) order: the input gradient of the cell is the sum over the
+// boxes of its image of dout[box, c, bin] * (wy * wx) / count. With the boxes taken in index
+// order, this fixes the order of every sum of the input gradient.
+template <class A, class F>
+JK_HD void for_each_cell_sample(const RoiBox<A>& box, int64_t h, int64_t w,
+                                const RoiAlignProblem& p, F&& f) {
+  if (w < box.x.span_first || w > box.x.span_last) return;  // before the search along y
+  for_each_index_sample(box.y, h, p.H, [&](int64_t ty, A wy) {
+    const int64_t bin_row = (ty / box.y.grid) * p.PW;
+    for_each_index_sample(box.x, w, p.W,
+                          [&](int64_t tx, A wx) { f(bin_row + tx / box.x.grid, wy, wx); });
+  });
+}
+
+// The four taps of a sample in a channel plane with torchvision's weights w1 = hy hx, w2 = hy lx,
+// w3 = ly hx, w4 = ly lx.
+template <class A>
+struct BilinearTaps {
+  int64_t o1, o2, o3, o4;
+  A w1, w2, w3, w4;
+
+  template <class T>
+  JK_HD A value(const T* plane) const {
+    return w1 * to_acc(plane[o1]) + w2 * to_acc(plane[o2]) + w3 * to_acc(plane[o3]) +
+           w4 * to_acc(plane[o4]);
+  }
+};
+
+template <class A>
+JK_HD BilinearTaps<A> bilinear_taps(const AxisSample<A>& sy, const AxisSample<A>& sx, int64_t W) {
+  return BilinearTaps<A>{sy.low * W + sx.low,     sy.low * W + sx.high,    sy.high * W + sx.low,
+                         sy.high * W + sx.high,   sy.w_low * sx.w_low,     sy.w_low * sx.w_high,
+                         sy.w_high * sx.w_low,    sy.w_high * sx.w_high};
+}
+
+// d value / d y and d value / d x of a sample in a channel plane, without the clamping slopes
+// (sy.slope, sx.slope), which callers apply once after summing over channels.
+template <class T, class A>
+JK_HD void value_gradient(const BilinearTaps<A>& t, const AxisSample<A>& sy,
+                          const AxisSample<A>& sx, const T* plane, A* along_y, A* along_x) {
+  const A v1 = to_acc(plane[t.o1]), v2 = to_acc(plane[t.o2]);
+  const A v3 = to_acc(plane[t.o3]), v4 = to_acc(plane[t.o4]);
+  *along_y = sx.w_low * (v3 - v1) + sx.w_high * (v4 - v2);
+  *along_x = sy.w_low * (v2 - v1) + sy.w_high * (v4 - v3);
+}
+
+// ---- one work item of each pass, the same on both backends -------------------------------------
+// kChannels is the channel chunk of an item: the sample geometry is computed once per item and
+// reused over `channels` (<= kChannels) consecutive channels.
+
+// Forward: acc[c] += sum over the valid samples of bin `bin` of the bilinear value in channel
+// plane planes + c * H * W (the caller divides by box.count).
+template <int kChannels, class T, class A>
+JK_HD void accumulate_bin(const RoiBox<A>& box, int64_t bin, const T* planes, int64_t channels,
+                          const RoiAlignProblem& p, A (&acc)[kChannels]) {
+  const int64_t plane = p.H * p.W;
+  for_each_bin_sample(box, bin, p, [&](int64_t, const AxisSample<A>& sy, int64_t,
+                                       const AxisSample<A>& sx) {
+    const BilinearTaps<A> taps = bilinear_taps(sy, sx, p.W);
+ROI_ALIGN_UNROLL
+    for (int c = 0; c < kChannels; ++c)
+      if (c < channels) acc[c] += taps.value(planes + c * plane);
+  });
+}
+
+// Input gradient: acc[c] += the contributions of `box` to input cell (h, w), where box_dout
+// points at dout[box, first channel, 0, 0].
+template <int kChannels, class T, class A>
+JK_HD void accumulate_cell_gradient(const RoiBox<A>& box, int64_t h, int64_t w, const T* box_dout,
+                                    int64_t channels, const RoiAlignProblem& p,
+                                    A (&acc)[kChannels]) {
+  const int64_t bins = p.bins();
+  for_each_cell_sample(box, h, w, p, [&](int64_t bin, A wy, A wx) {
+ROI_ALIGN_UNROLL
+    for (int c = 0; c < kChannels; ++c)
+      if (c < channels) acc[c] += to_acc(box_dout[c * bins + bin]) * (wy * wx) / box.count;
+  });
+}
+
+// Box gradient: d[0..3] += d (sum over the channels of dout * output) / d (x1, y1, x2, y2), before
+// the division by box.count, for bin `bin`; box_dout points at dout[box, first channel, 0, 0] and
+// planes at the first channel plane of the box's image.
+template <int kChannels, class T, class A>
+JK_HD void accumulate_box_gradient(const RoiBox<A>& box, int64_t bin, const T* box_dout,
+                                   const T* planes, int64_t channels, const RoiAlignProblem& p,
+                                   double (&d)[4]) {
+  const int64_t bins = p.bins(), plane = p.H * p.W;
+  A grad[kChannels];
+ROI_ALIGN_UNROLL
+  for (int c = 0; c < kChannels; ++c)
+    grad[c] = c < channels ? to_acc(box_dout[c * bins + bin]) : A(0);
+  for_each_bin_sample(box, bin, p, [&](int64_t ty, const AxisSample<A>& sy, int64_t tx,
+                                       const AxisSample<A>& sx) {
+    const BilinearTaps<A> taps = bilinear_taps(sy, sx, p.W);
+    A along_y = A(0), along_x = A(0);
+ROI_ALIGN_UNROLL
+    for (int c = 0; c < kChannels; ++c) {
+      if (c < channels) {
+        A dy, dx;
+        value_gradient(taps, sy, sx, planes + c * plane, &dy, &dx);
+        along_y += grad[c] * dy;
+        along_x += grad[c] * dx;
+      }
+    }
+    const double gy = double(sy.slope * along_y), gx = double(sx.slope * along_x);
+    d[0] += gx * double(box.x.d_first(tx));
+    d[1] += gy * double(box.y.d_first(ty));
+    d[2] += gx * double(box.x.d_second(tx));
+    d[3] += gy * double(box.y.d_second(ty));
+  });
+}
+
+// ---- FFI attributes, shared by the CPU and CUDA handlers (host only) ----------------------------
+
+// Every roi_align target takes these attributes (decoded with .Attrs<RoiAlignAttrs>()).
+struct RoiAlignAttrs {
+  int64_t pooled_height;
+  int64_t pooled_width;
+  double spatial_scale;
+  int64_t sampling_ratio;
+  bool aligned;
+  int64_t batch_images;
+  ffi::Span<const int64_t> batch_terms;  // (divisor, modulus, stride) per term, flattened
+};
+
+// The problem of a call, or an InvalidArgument error naming `op`: `input` is the input or its
+// gradient [N, C, H, W], `binned` the output or its gradient [K, C, PH, PW], all of one element
+// type (the Python wrapper checks all of it at trace time already).
+inline ffi::Error roi_align_problem(const char* op, const RoiAlignAttrs& attrs,
+                                    const ffi::AnyBuffer& input, const ffi::AnyBuffer& boxes,
+                                    const ffi::AnyBuffer& binned, RoiAlignProblem* problem) {
+  auto invalid = [op](const std::string& what) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
+  };
+  const auto in = input.dimensions(), rois = boxes.dimensions(), out = binned.dimensions();
+  if (in.size() != 4 || rois.size() != 2 || rois[1] != 5 || out.size() != 4)
+    return invalid("expected input [N, C, H, W], boxes [K, 5] and output [K, C, PH, PW]");
+  if (out[0] != rois[0] || out[1] != in[1] || out[2] != attrs.pooled_height ||
+      out[3] != attrs.pooled_width || attrs.pooled_height < 1 || attrs.pooled_width < 1)
+    return invalid("output (or its gradient) is not [K, C, PH, PW]");
+  if (input.element_type() != boxes.element_type() || binned.element_type() != boxes.element_type())
+    return invalid("operands differ in element type");
+  if (attrs.sampling_ratio > kRoiAlignMaxAdaptiveGrid) return invalid("sampling_ratio above 2^20");
+  RoiAlignBatching batching;
+  batching.images = attrs.batch_images;
+  const int64_t values = int64_t(attrs.batch_terms.size());
+  if (values % 3 != 0 || values / 3 > kRoiAlignMaxBatchTerms) return invalid("invalid batch terms");
+  batching.terms = int(values / 3);
+  for (int i = 0; i < batching.terms; ++i) {
+    batching.divisor[i] = attrs.batch_terms[3 * i];
+    batching.modulus[i] = attrs.batch_terms[3 * i + 1];
+    batching.stride[i] = attrs.batch_terms[3 * i + 2];
+    if (batching.divisor[i] < 1 || batching.modulus[i] < 1 || batching.stride[i] < 0)
+      return invalid("invalid batch terms");
+  }
+  *problem = RoiAlignProblem{in[0], in[1], in[2], in[3], rois[0], attrs.pooled_height,
+                             attrs.pooled_width, attrs.spatial_scale, attrs.sampling_ratio,
+                             attrs.aligned, batching};
+  return ffi::Error::Success();
+}
+
+}  // namespace jax_kernels
+
+// Registers the decoding of RoiAlignAttrs for `.Attrs<RoiAlignAttrs>()` (once per source file, at
+// global scope).
+#define JK_ROI_ALIGN_REGISTER_ATTRS()                                                      \
+  XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(                                                   \
+      ::jax_kernels::RoiAlignAttrs, ::xla::ffi::StructMember<int64_t>("pooled_height"),    \
+      ::xla::ffi::StructMember<int64_t>("pooled_width"),                                   \
+      ::xla::ffi::StructMember<double>("spatial_scale"),                                   \
+      ::xla::ffi::StructMember<int64_t>("sampling_ratio"),                                 \
+      ::xla::ffi::StructMember<bool>("aligned"),                                           \
+      ::xla::ffi::StructMember<int64_t>("batch_images"),                                   \
+      ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("batch_terms"))

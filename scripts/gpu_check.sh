@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One-call GPU check for the device machine (no network): install the carried CUTLASS wheel,
+# build and install jax_kernels with CUDA, check the tensor-core conv path standalone
+# (conv_dense_check), run the test suite on the GPU, run compute-sanitizer
+# memcheck on small cases of every kernel, then the benchmark against jnp/lax and torch.
+#
+#   scripts/gpu_check.sh [pytest args...]      (carry .whl; results land in $OUT)
+#
+# Environment: SKIP_DENSE_CHECK=1, SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_BENCH=1, BENCH_OPS=lerp,repeat,
+# CUDA_ARCHS (default 90).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/jk_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+status=0
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+python3 -c "import jax, torch; print('jax', jax.__version__, jax.devices(), '| torch', torch.__version__)"
+
+start=$(date +%s)
+CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install -q --no-build-isolation --no-deps -e . \
+  --config-settings=cmake.define.CMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}" \
+  --config-settings=build-dir=build/gpu 2>&1 | tail -20 || exit 1
+echo "build: $(( $(date +%s) - start )) s"
+python3 -c "import jax_kernels._ffi as f; assert f.CUDA_BUILT, 'CUDA module missing'; print('CUDA module built')" || exit 1
+
+if [ -z "${SKIP_DENSE_CHECK:-}" ]; then  # the tensor-core conv path against a float64 reference
+  start=$(date +%s)
+  cmake --build build/gpu --target conv_dense_check -j "$(nproc)" >/dev/null 2>&1 && build/gpu/conv_dense_check 2>&1 | tee "$OUT/conv_dense_check.log" | tail -40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  echo "conv_dense_check: $(( $(date +%s) - start )) s"
+fi
+
+if [ -z "${SKIP_TESTS:-}" ]; then
+  start=$(date +%s)
+  JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/tests.xml" "${@:-tests}" \
+    2>&1 | tee "$OUT/tests.log" | tail -40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  echo "GPU tests: $(( $(date +%s) - start )) s"
+fi
+
+if [ -z "${SKIP_SANITIZER:-}" ]; then
+  start=$(date +%s)
+  JAX_PLATFORMS=cuda timeout 300 compute-sanitizer --tool memcheck --kernel-name kns=jax_kernels \
+    --error-exitcode 3 python3 scripts/sanitize_cases.py 2>&1 | tee "$OUT/sanitizer.log" | tail -15
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  echo "sanitizer: $(( $(date +%s) - start )) s"
+fi
+
+if [ -z "${SKIP_BENCH:-}" ]; then
+  JAX_PLATFORMS=cuda python3 -m jax_kernels.bench --ops "${BENCH_OPS:-$(python3 -c 'from jax_kernels.bench import CASES; print(",".join(CASES))')}" \
+    --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+exit $status

@@ -1,0 +1,68 @@
+"""The package's plumbing: both native modules register the same target names, capabilities()
+describes what was built, and the float16/bfloat16 conversions of the kernels round like
+NumPy/ml_dtypes (round to nearest even, subnormals, overflow, NaN)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_kernels as jk
+from jax_kernels import _ffi
+
+
+def test_same_targets_on_every_platform():
+    records = _ffi.records()
+    cpu_targets = {r[0] for r in records["cpu"]}
+    assert {"jk_lerp_fwd", "jk_repeat_fwd", "jk_repeat_bwd"} <= cpu_targets
+    if _ffi.CUDA_BUILT:
+        assert {r[0] for r in records["cuda"]} == cpu_targets
+    else:
+        assert "cuda" not in records
+
+
+def test_capabilities_table():
+    table = jk.capabilities()
+    platforms = {row.platform for row in table}
+    assert platforms == ({"cpu", "cuda"} if _ffi.CUDA_BUILT else {"cpu"})
+    rows = {(r.op, r.pass_, r.dtype, r.platform): r for r in table}
+    row = rows[("repeat", "backward d_input", "bfloat16", "cpu")]
+    assert row.accumulator == "float32" and row.deterministic == "bitwise"
+    assert rows[("lerp", "forward", "float64", "cpu")].accumulator == "float64"
+    text = str(table)
+    assert text.splitlines()[0].split() == ["op", "pass", "dtype", "platform", "deterministic", "accumulator", "backend"]
+    assert len(text.splitlines()) == len(table) + 2
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: np.dtype(d).name)
+def test_half_conversions_round_to_nearest_even(dtype):
+    # repeat's backward sums the two copies of each element in float32 and rounds once to the
+    # half type: the sum of two half values is exact in float32 and half of them are ties, so
+    # this checks the kernels' float -> half rounding (ties to even, subnormals, overflow, NaN)
+    # against ml_dtypes' rounding. The forward checks half -> float -> half round trips.
+    rng = np.random.default_rng(0)
+    finfo = ml_dtypes.finfo(dtype)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, float(finfo.max), float(finfo.smallest_subnormal),
+                        float(finfo.smallest_normal), -float(finfo.smallest_subnormal) * 3], dtype=np.float32)
+    n = 20000
+    values = rng.standard_normal(n).astype(np.float32) * np.float32(2.0) ** rng.integers(-26, 15, n).astype(np.float32)
+    first = np.concatenate([special, special, values]).astype(dtype)
+    second = np.concatenate([special, special[::-1], values[::-1]]).astype(dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        # the kernels start their sums at +0, as torch does: -0 + -0 gives +0
+        expected = ((np.float32(0) + first.astype(np.float32)) + second.astype(np.float32)).astype(dtype)
+    dout = jnp.asarray(np.concatenate([first, second]))
+    (dx,) = jax.vjp(lambda v: jk.repeat(v, (2,)), jnp.zeros(first.shape, dtype))[1](dout)
+    got = np.asarray(dx)
+    nan = np.isnan(expected.astype(np.float32))
+    # float32 subnormals (bfloat16's subnormals are float32's) may flush to zero: XLA's CPU
+    # threads run with flush-to-zero, as jnp does there; the GPU keeps them.
+    tiny = np.abs(np.concatenate([first, second]).astype(np.float32)) < np.finfo(np.float32).smallest_normal
+    flushed = (tiny[: len(first)] | tiny[len(first):]) & (got.astype(np.float32) == 0)
+    exact = ~nan & ~flushed
+    np.testing.assert_array_equal(got.view(np.uint16)[exact], expected.view(np.uint16)[exact])
+    assert np.all(np.isnan(got.astype(np.float32)[nan]))
+    np.testing.assert_array_equal(np.asarray(jk.repeat(dout, (1,))).view(np.uint16), np.asarray(dout).view(np.uint16))
