@@ -2,10 +2,11 @@
 as CUDA and C++ kernels registered with XLA through the typed FFI."""
 
 from ._capabilities import capabilities
+from .conv import conv2d
 from .grid_sample import grid_sample
 from .lerp import lerp
 from .repeat import repeat
 from .roi_align import roi_align
 
-__all__ = ["capabilities", "grid_sample", "lerp", "repeat", "roi_align"]
+__all__ = ["capabilities", "conv2d", "grid_sample", "lerp", "repeat", "roi_align"]
 __version__ = "0.1.0"

@@ -412,11 +412,79 @@ def cases_grid_sample(ctx: Context) -> list[Case]:
     return cases
 
 
+def cases_conv2d(ctx: Context) -> list[Case]:
+    """DESIGN.md section 8: 3x3 64->64 (bf16, f32 in TF32), 1x1 256->64 (bf16) and depthwise
+    7x7 (f32, bf16), each forward, dgrad and wgrad, NCHW, against lax.conv and torch (cuDNN on
+    the GPU; torch's default TF32 for f32 as jk's and lax's default precision). The CPU runs the
+    depthwise case of section 8 (C96 N8 28x28) and the dense ones at that size."""
+    gpu = ctx.platform == "gpu"
+    if ctx.quick:
+        N, side, depthwise = 2, 14, 32
+    elif gpu:
+        N, side, depthwise = 32, 56, 384
+    else:
+        N, side, depthwise = 8, 28, 96
+    configs = [  # name, C, K, kernel, padding, groups, dtype
+        ("3x3 64->64", 64, 64, 3, 1, 1, jnp.bfloat16),
+        ("1x1 256->64", 256, 64, 1, 0, 1, jnp.bfloat16),
+        ("3x3 64->64", 64, 64, 3, 1, 1, jnp.float32),
+        (f"depthwise 7x7 C{depthwise}", depthwise, depthwise, 7, 3, depthwise, jnp.float32),
+        (f"depthwise 7x7 C{depthwise}", depthwise, depthwise, 7, 3, depthwise, jnp.bfloat16),
+    ]
+    cases = []
+    for seed, (name, C, K, size, pad, groups, dtype) in enumerate(configs):
+        x = _jnp_random(ctx, (N, C, side, side), dtype, seed=3 * seed)
+        w = _jnp_random(ctx, (K, C // groups, size, size), dtype, seed=3 * seed + 1)
+        dy = _jnp_random(ctx, (N, K, side, side), dtype, seed=3 * seed + 2)
+        item = np.dtype(dtype).itemsize
+        x_bytes, w_bytes, y_bytes = x.size * item, w.size * item, dy.size * item
+
+        def ours(x, w, pad=pad, groups=groups):
+            return jk.conv2d(x, w, padding=pad, groups=groups)
+
+        def lax_conv(x, w, pad=pad, groups=groups):
+            return jax.lax.conv_general_dilated(x, w, (1, 1), [(pad, pad), (pad, pad)],
+                                                feature_group_count=groups,
+                                                dimension_numbers=("NCHW", "OIHW", "NCHW"))
+
+        label = f"conv2d {name} N{N} {side}x{side} {np.dtype(dtype).name}"
+        fwd = Case(f"{label} fwd", x_bytes + w_bytes + y_bytes)
+        dgrad = Case(f"{label} dgrad", y_bytes + w_bytes + x_bytes)
+        wgrad = Case(f"{label} wgrad", y_bytes + x_bytes + w_bytes)
+        for contender, conv in (("jax_kernels", ours), ("lax.conv", lax_conv)):
+            f = jax.jit(conv)
+            d = jax.jit(lambda x, w, dy, conv=conv: jax.vjp(lambda x: conv(x, w), x)[1](dy)[0])
+            g = jax.jit(lambda x, w, dy, conv=conv: jax.vjp(lambda w: conv(x, w), w)[1](dy)[0])
+            args = (x, w, dy)
+            fwd.contenders.append(Contender(contender, lambda f=f, a=args: f(*a[:2])))
+            dgrad.contenders.append(Contender(contender, lambda d=d, a=args: d(*a)))
+            wgrad.contenders.append(Contender(contender, lambda g=g, a=args: g(*a)))
+        if ctx.torch_device is not None:
+            def to_torch(a, dtype=dtype):
+                t = torch.from_numpy(np.asarray(a.astype(jnp.float32))).to(ctx.torch_device)
+                return t.to(torch.bfloat16 if dtype == jnp.bfloat16 else torch.float32)
+
+            t = (to_torch(x), to_torch(w), to_torch(dy))
+            o = dict(stride=1, padding=pad, dilation=1, groups=groups)
+            fwd.contenders.append(Contender(
+                "torch", lambda t=t, o=o: torch.nn.functional.conv2d(t[0], t[1], None, **o),
+                "torch"))
+            dgrad.contenders.append(Contender(
+                "torch", lambda t=t, o=o: torch.nn.grad.conv2d_input(t[0].shape, t[1], t[2], **o),
+                "torch"))
+            wgrad.contenders.append(Contender(
+                "torch", lambda t=t, o=o: torch.nn.grad.conv2d_weight(t[0], t[1].shape, t[2], **o),
+                "torch"))
+        cases += [fwd, dgrad, wgrad]
+    return cases
+
+
 CASES: dict[str, Callable[[Context], list[Case]]] = {
     "grid_sample": cases_grid_sample,
     "lerp": cases_lerp,
     "repeat": cases_repeat,
     "roi_align": cases_roi_align,
+    "conv2d": cases_conv2d,
 }
 
 

@@ -1,0 +1,644 @@
+// CPU FFI handlers of conv2d: forward, backward data (dgrad), backward weight (wgrad) and the
+// bias gradient.
+//
+// Forward and dgrad are the same stencil pass (conv.h's StencilAxis): the dgrad is the stencil
+// of dy upsampled by the stride, with flipped taps. Its outputs are split into stride phases,
+// each reading only the live taps, so no time goes into the upsampled zeros. Per (image, group,
+// band of output rows) the source planes are copied once into a zero-padded buffer of the
+// accumulation type whose columns are split into `stride` phases: every tap then reads a
+// contiguous run of columns, and the loops need no bounds checks. The wgrad reduces over
+// fixed slices of images into partial sums, then adds the slices in order, so results never
+// depend on the thread count. The inner loops live in conv_loops.inc, compiled for several
+// instruction sets and chosen once at run time.
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "jax_kernels/conv.h"
+#include "jax_kernels/cpu_parallel.h"
+#include "jax_kernels/ffi_util.h"
+
+namespace jax_kernels {
+namespace {
+
+// ---- What the instruction-set specific loops receive (see conv_loops.inc) ---------------------
+
+template <class A>
+struct StencilTile {
+  const A* source;            // zero-padded source planes [channels][rows][row_pitch]
+  int64_t channels;           // source channels of the group (the reduction)
+  int64_t channel_pitch;      // elements between source planes
+  int64_t row_pitch;          // elements between source rows
+  int64_t row_step;           // source rows between consecutive output rows
+  int row_taps, col_taps;     // live taps of the phase
+  const int64_t* row_offset;  // per live row tap: the buffer row read by output row 0
+  const int64_t* col_offset;  // per live column tap: the element read by output column 0
+  bool sliding;               // row_step 1 and consecutive row offsets: rows share loads
+  const A* weights;           // per block of output channels (see channel_block()):
+                              // [source channel][row tap][col tap][output channel of the block]
+  int64_t weight_stride;      // elements per output channel in `weights`
+};
+
+template <class A>
+struct StencilOutput {
+  A* out;                 // output channel 0, row 0, column 0 of the phase within the band
+  int64_t channel_pitch;  // elements between output channels
+  int64_t row_pitch;      // elements between consecutive rows of the phase
+  int64_t col_step;       // elements between consecutive columns of the phase
+  int64_t channels, rows, cols;
+  const A* bias;          // [channels] or nullptr
+};
+
+template <class A>
+struct WeightGradientBlock {
+  const A* x;                       // zero-padded input planes [image][channel][row][x_row_pitch],
+                                    // columns split into stride phases
+  int64_t x_image_pitch, x_row_pitch;
+  int64_t row_step;                 // stride_h
+  int64_t columns;                  // (channel, tap) columns of the block
+  const int64_t* column_offset;     // per column: the element read by output (0, 0)
+  const A* dy;                      // output-gradient planes [image][filter][row][dy_row_pitch]
+  int64_t dy_image_pitch, dy_channel_pitch, dy_row_pitch;
+  int64_t images, rows, cols;       // images, P, and Q rounded up to whole vectors (zeros beyond Q)
+};
+
+template <class A>
+struct CpuLoops {
+  int lanes;          // vector lanes of A
+  int channel_block;  // output channels per register block of the stencil (then 4, then 1)
+  void (*copy_padded_rows)(const A* source, int64_t source_pitch, int64_t rows, int64_t offset,
+                           int64_t count, int64_t width, A* out);
+  void (*stencil_phase)(const StencilTile<A>&, const StencilOutput<A>&);
+  void (*weight_gradient)(const WeightGradientBlock<A>&, int64_t filters, A* partial,
+                          int64_t partial_stride);
+};
+
+namespace portable {
+#define JK_CONV_VECTOR_BYTES 16
+#define JK_CONV_REGISTERS 16
+#include "conv_loops.inc"
+#undef JK_CONV_VECTOR_BYTES
+#undef JK_CONV_REGISTERS
+}  // namespace portable
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define JK_CONV_X86_DISPATCH 1
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+#define JK_CONV_VECTOR_BYTES 32
+#define JK_CONV_REGISTERS 16
+#include "conv_loops.inc"
+#undef JK_CONV_VECTOR_BYTES
+#undef JK_CONV_REGISTERS
+}  // namespace avx2
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")
+namespace avx512 {
+#define JK_CONV_VECTOR_BYTES 64
+#define JK_CONV_REGISTERS 32
+#include "conv_loops.inc"
+#undef JK_CONV_VECTOR_BYTES
+#undef JK_CONV_REGISTERS
+}  // namespace avx512
+#pragma GCC pop_options
+#endif
+
+template <class A>
+CpuLoops<A> select_loops() {
+#if defined(JK_CONV_X86_DISPATCH)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")) {
+    if constexpr (std::is_same_v<A, float>) return avx512::loops_float();
+    if constexpr (std::is_same_v<A, double>) return avx512::loops_double();
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    if constexpr (std::is_same_v<A, float>) return avx2::loops_float();
+    if constexpr (std::is_same_v<A, double>) return avx2::loops_double();
+  }
+#endif
+  if constexpr (std::is_same_v<A, float>) {
+    return portable::loops_float();
+  } else {
+    return portable::loops_double();
+  }
+}
+
+template <class A>
+const CpuLoops<A>& loops() {
+  static const CpuLoops<A> selected = select_loops<A>();
+  return selected;
+}
+
+// ---- Buffers ------------------------------------------------------------------------------------
+
+int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// Copies source rows [row_begin, row_begin + rows) of a plane into `out` as padded rows of
+// `phases * phase_len` elements: padded column j (source column col_begin + j) goes to
+// phase j % phases, position j / phases. Everything outside the source reads as zero.
+template <class T, class A>
+void fill_padded_rows(const CpuLoops<A>& isa, const T* plane, int64_t source_rows,
+                      int64_t source_cols, int64_t row_begin, int64_t rows, int64_t col_begin,
+                      int64_t phases, int64_t phase_len, A* out) {
+  const int64_t width = phases * phase_len;
+  const int64_t inside_begin = std::clamp<int64_t>(-col_begin, 0, width);
+  const int64_t inside_end = std::clamp<int64_t>(source_cols - col_begin, inside_begin, width);
+  // Rows above and below the source are zeros.
+  const int64_t first = std::clamp<int64_t>(-row_begin, 0, rows);
+  const int64_t last = std::clamp<int64_t>(source_rows - row_begin, first, rows);
+  std::fill(out, out + first * width, A(0));
+  std::fill(out + last * width, out + rows * width, A(0));
+  if constexpr (std::is_same_v<T, A>) {
+    if (phases == 1) {
+      isa.copy_padded_rows(plane + (row_begin + first) * source_cols + col_begin + inside_begin,
+                           source_cols, last - first, inside_begin, inside_end - inside_begin,
+                           width, out + first * width);
+      return;
+    }
+  }
+  for (int64_t t = first; t < last; ++t) {
+    A* row = out + t * width;
+    const T* in = plane + (row_begin + t) * source_cols + col_begin;
+    if (phases == 1) {
+      std::fill(row, row + inside_begin, A(0));
+      for (int64_t j = inside_begin; j < inside_end; ++j) row[j] = to_acc(in[j]);
+      std::fill(row + inside_end, row + width, A(0));
+    } else {
+      std::fill(row, row + width, A(0));
+      for (int64_t j = inside_begin; j < inside_end; ++j)
+        row[(j % phases) * phase_len + j / phases] = to_acc(in[j]);
+    }
+  }
+}
+
+// ---- Forward and backward data: one stencil pass ------------------------------------------------
+
+// The size of the next block of output channels when `remaining` are left: the stencil loops
+// take them `wide` at a time, then 4, then 1.
+int64_t channel_block(int64_t remaining, int64_t wide) {
+  return remaining >= wide ? wide : remaining >= 4 ? 4 : 1;
+}
+
+// The live taps of one phase of an axis, and the source offsets they read for output 0.
+struct PhaseTaps {
+  std::vector<int64_t> tap, offset;
+};
+
+std::vector<PhaseTaps> phase_taps(const StencilAxis& axis) {
+  std::vector<PhaseTaps> phases(axis.upsample);
+  for (int64_t phase = 0; phase < axis.upsample; ++phase)
+    for (int64_t t = 0; t < axis.taps; ++t) {
+      int64_t offset;
+      if (axis.phase_offset(phase, t, &offset)) {
+        phases[phase].tap.push_back(t);
+        phases[phase].offset.push_back(offset);
+      }
+    }
+  return phases;
+}
+
+// out[n, g*Og + o, y, x] = bias + sum_{i, ty, tx} w(g, o, i, ty, tx) * upsampled source[n, g*Ig +
+// i] at (rows.position(y, ty), cols.position(x, tx)).
+template <class T>
+struct StencilPass {
+  const T* source;
+  const T* weights;
+  const T* bias;  // [groups * Og] or nullptr
+  T* out;
+  int64_t N, groups, in_per_group, out_per_group;
+  StencilAxis rows, cols;
+  StencilWeights weight_map;
+};
+
+template <class T>
+void run_stencil_pass(const StencilPass<T>& s) {
+  using A = acc_t<T>;
+  constexpr int64_t kSlidingRows = 8;  // conv_loops.inc's largest row block: buffers hold whole
+                                       // blocks
+  const CpuLoops<A>& isa = loops<A>();
+  const int64_t Ig = s.in_per_group, Og = s.out_per_group;
+  const std::vector<PhaseTaps> row_phases = phase_taps(s.rows), col_phases = phase_taps(s.cols);
+  const int64_t up_y = s.rows.upsample, up_x = s.cols.upsample;
+
+  // Every tap is live in exactly one phase, so these bounds exist.
+  int64_t row_min = INT64_MAX, row_max = INT64_MIN, col_min = INT64_MAX, col_max = INT64_MIN;
+  int64_t phase_rows = 0, phase_cols = 0;
+  for (int64_t py = 0; py < up_y; ++py) {
+    for (int64_t off : row_phases[py].offset) {
+      row_min = std::min(row_min, off);
+      row_max = std::max(row_max, off);
+    }
+    phase_rows = std::max(phase_rows, s.rows.phase_outputs(py));
+  }
+  for (int64_t px = 0; px < up_x; ++px) {
+    for (int64_t off : col_phases[px].offset) {
+      col_min = std::min(col_min, off);
+      col_max = std::max(col_max, off);
+    }
+    phase_cols = std::max(phase_cols, s.cols.phase_outputs(px));
+  }
+
+  // Buffer columns: source column oo * stride + offset, split into `stride` phases.
+  const int64_t cs = s.cols.stride, rs = s.rows.stride;
+  const int64_t phase_len = round_up(phase_cols, 2 * isa.lanes) + (col_max - col_min) / cs + 1;
+  const int64_t row_pitch = cs * phase_len;
+  std::vector<std::vector<int64_t>> col_offsets(up_x), row_offsets(up_y);
+  for (int64_t px = 0; px < up_x; ++px)
+    for (int64_t off : col_phases[px].offset)
+      col_offsets[px].push_back(((off - col_min) % cs) * phase_len + (off - col_min) / cs);
+  std::vector<char> sliding(up_y);
+  for (int64_t py = 0; py < up_y; ++py) {
+    const std::vector<int64_t>& off = row_phases[py].offset;
+    bool consecutive = rs == 1;
+    for (size_t j = 0; j < off.size(); ++j) {
+      row_offsets[py].push_back(off[j] - row_min);
+      if (j > 0 && off[j] != off[j - 1] + 1) consecutive = false;
+    }
+    sliding[py] = consecutive;
+  }
+
+  // The weights of each (group, row phase, column phase), per block of output channels:
+  // [i][live row tap][live col tap][output channel of the block].
+  std::vector<int64_t> phase_base(up_y * up_x + 1, 0);
+  for (int64_t py = 0; py < up_y; ++py)
+    for (int64_t px = 0; px < up_x; ++px)
+      phase_base[py * up_x + px + 1] = phase_base[py * up_x + px] +
+          Og * Ig * int64_t(row_phases[py].tap.size() * col_phases[px].tap.size());
+  const int64_t group_weights = phase_base.back();
+  std::vector<A> packed(s.groups * group_weights);
+  parallel_for(s.groups, std::max<int64_t>(1, 4096 / std::max<int64_t>(group_weights, 1)),
+               [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t py = 0; py < up_y; ++py)
+        for (int64_t px = 0; px < up_x; ++px) {
+          const std::vector<int64_t>& ty = row_phases[py].tap;
+          const std::vector<int64_t>& tx = col_phases[px].tap;
+          A* w = packed.data() + g * group_weights + phase_base[py * up_x + px];
+          for (int64_t o0 = 0; o0 < Og;) {
+            const int64_t block = channel_block(Og - o0, isa.channel_block);
+            for (int64_t i = 0; i < Ig; ++i)
+              for (int64_t r : ty)
+                for (int64_t c : tx)
+                  for (int64_t o = o0; o < o0 + block; ++o)
+                    *w++ = to_acc(s.weights[s.weight_map.offset(g, o, i, r, c)]);
+            o0 += block;
+          }
+        }
+  });
+  std::vector<A> bias;
+  if (s.bias) {
+    bias.resize(s.groups * Og);
+    for (size_t k = 0; k < bias.size(); ++k) bias[k] = to_acc(s.bias[k]);
+  }
+
+  // Bands of phase rows: about 512 KiB of source each, and enough of them for the threads.
+  const auto band_source_rows = [&](int64_t band) {
+    return (round_up(band, kSlidingRows) - 1) * rs + row_max - row_min + 1;
+  };
+  int64_t band = std::max<int64_t>(phase_rows, 1);
+  const int64_t budget = (int64_t(1) << 19) / int64_t(sizeof(A));
+  while (band > kSlidingRows && Ig * band_source_rows(band) * row_pitch > budget)
+    band = ceil_div(band, 2);
+  while (band > kSlidingRows && s.N * s.groups * ceil_div(phase_rows, band) < 16)
+    band = ceil_div(band, 2);
+  const int64_t bands = ceil_div(phase_rows, band);
+  const int64_t out_rows = s.rows.out, out_cols = s.cols.out;
+  const int64_t out_plane = out_rows * out_cols;
+  constexpr bool kStaged = !std::is_same_v<T, A>;  // half types: compute in A, then convert
+
+  const int64_t items = s.N * s.groups * bands;
+  const int64_t work = std::max<int64_t>(1, Og * Ig * band * out_cols * s.rows.taps * s.cols.taps);
+  parallel_for(items, std::max<int64_t>(1, (int64_t(1) << 16) / work),
+               [&](int64_t begin, int64_t end) {
+    const int64_t buffer_rows = band_source_rows(band);
+    std::vector<A> buffer(std::max<int64_t>(Ig, 1) * buffer_rows * row_pitch);
+    std::vector<A> staged(kStaged ? Og * band * up_y * out_cols : 0);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / (s.groups * bands);
+      const int64_t g = item / bands % s.groups;
+      const int64_t b0 = item % bands * band;
+      const int64_t b1 = std::min(b0 + band, phase_rows);
+      const int64_t rows = band_source_rows(b1 - b0);
+      const int64_t source_plane = s.rows.source * s.cols.source;
+      for (int64_t i = 0; i < Ig; ++i)
+        fill_padded_rows(isa, s.source + ((n * s.groups + g) * Ig + i) * source_plane,
+                         s.rows.source, s.cols.source, b0 * rs + row_min, rows, col_min, cs,
+                         phase_len, buffer.data() + i * rows * row_pitch);
+      T* out_group = s.out + (n * s.groups + g) * Og * out_plane;
+      for (int64_t py = 0; py < up_y; ++py) {
+        const int64_t rows_in_band = std::min(b1, s.rows.phase_outputs(py)) - b0;
+        if (rows_in_band <= 0) continue;
+        for (int64_t px = 0; px < up_x; ++px) {
+          const int64_t cols = s.cols.phase_outputs(px);
+          if (cols <= 0) continue;
+          StencilTile<A> tile;
+          tile.source = buffer.data();
+          tile.channels = Ig;
+          tile.channel_pitch = rows * row_pitch;
+          tile.row_pitch = row_pitch;
+          tile.row_step = rs;
+          tile.row_taps = int(row_offsets[py].size());
+          tile.col_taps = int(col_offsets[px].size());
+          tile.row_offset = row_offsets[py].data();
+          tile.col_offset = col_offsets[px].data();
+          tile.sliding = sliding[py];
+          tile.weights = packed.data() + g * group_weights + phase_base[py * up_x + px];
+          tile.weight_stride = Ig * tile.row_taps * tile.col_taps;
+          StencilOutput<A> out;
+          if constexpr (kStaged) {
+            out.out = staged.data() + py * out_cols + px;
+            out.channel_pitch = band * up_y * out_cols;
+          } else {
+            out.out = out_group + (b0 * up_y + py) * out_cols + px;
+            out.channel_pitch = out_plane;
+          }
+          out.row_pitch = up_y * out_cols;
+          out.col_step = up_x;
+          out.channels = Og;
+          out.rows = rows_in_band;
+          out.cols = cols;
+          out.bias = s.bias ? bias.data() + g * Og : nullptr;
+          isa.stencil_phase(tile, out);
+        }
+      }
+      if constexpr (kStaged) {
+        const int64_t first = b0 * up_y, last = std::min(b1 * up_y, out_rows);
+        for (int64_t o = 0; o < Og; ++o)
+          for (int64_t y = first; y < last; ++y) {
+            const A* in = staged.data() + (o * band * up_y + (y - first)) * out_cols;
+            T* dst = out_group + o * out_plane + y * out_cols;
+            for (int64_t x = 0; x < out_cols; ++x) dst[x] = from_acc<T>(in[x]);
+          }
+      }
+    }
+  });
+}
+
+// ---- Backward weight ----------------------------------------------------------------------------
+
+template <class T>
+void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
+  using A = acc_t<T>;
+  const CpuLoops<A>& isa = loops<A>();
+  const int64_t Kg = p.filters_per_group(), Cg = p.channels_per_group(), RS = p.R * p.S;
+  const int64_t weights = p.K * Cg * RS;
+  if (weights == 0) return;
+  const int64_t cols = round_up(p.Q, isa.lanes);
+  // Images are reduced in slices fixed by the shapes (never by the thread count), then the
+  // slices are added in order. A slice spans at least 4096 output positions, so that the
+  // vector lanes' final sums cost little.
+  const int64_t wanted = std::max<int64_t>(1, ceil_div(4096, std::max<int64_t>(p.P * cols, 1)));
+  int64_t per_slice = std::clamp<int64_t>(wanted, 1, std::max<int64_t>(p.N, 1));
+  const int64_t max_slices = std::max<int64_t>(1, (int64_t(1) << 24) / weights);  // bounds memory
+  per_slice = std::max(per_slice, ceil_div(p.N, max_slices));
+  const int64_t slices = std::max<int64_t>(1, ceil_div(p.N, per_slice));
+  std::vector<A> partial(slices * weights, A(0));
+
+  const int64_t x_rows =
+      std::max<int64_t>(0, (p.P - 1) * p.stride_h + (p.R - 1) * p.dilation_h + 1);
+  const int64_t phase_len = cols + ((p.S - 1) * p.dilation_w) / p.stride_w + 1;
+  const int64_t x_row_pitch = p.stride_w * phase_len;
+  const int64_t x_plane = x_rows * x_row_pitch, dy_plane = p.P * cols;
+  // Input channels staged together: about 1 MiB of planes, and blocks enough for 16 work items.
+  const int64_t channel_blocks = std::clamp<int64_t>(ceil_div(16, slices * p.groups), 1, Cg);
+  const int64_t channel_block = std::clamp<int64_t>(
+      std::min((int64_t(1) << 20) / int64_t(sizeof(A)) / std::max<int64_t>(per_slice * x_plane, 1),
+               ceil_div(Cg, channel_blocks)),
+      1, Cg);
+  const int64_t blocks = ceil_div(Cg, channel_block);
+  std::vector<int64_t> column_offset(channel_block * RS);
+  for (int64_t c = 0; c < channel_block; ++c)
+    for (int64_t r = 0; r < p.R; ++r)
+      for (int64_t s = 0; s < p.S; ++s)
+        column_offset[(c * p.R + r) * p.S + s] =
+            c * x_plane + r * p.dilation_h * x_row_pitch +
+            ((s * p.dilation_w) % p.stride_w) * phase_len + (s * p.dilation_w) / p.stride_w;
+
+  const int64_t work = std::max<int64_t>(1, per_slice * Kg * channel_block * RS * p.P * p.Q);
+  parallel_for(slices * p.groups * blocks, std::max<int64_t>(1, (int64_t(1) << 16) / work),
+               [&](int64_t begin, int64_t end) {
+    std::vector<A> x_buffer(per_slice * channel_block * x_plane);
+    std::vector<A> dy_buffer(per_slice * Kg * dy_plane, A(0));
+    int64_t staged = -1;  // the (slice, group) whose dy is in dy_buffer
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t slice = item / (p.groups * blocks), g = item / blocks % p.groups;
+      const int64_t c0 = item % blocks * channel_block;
+      const int64_t first = slice * per_slice, images = std::min(p.N, first + per_slice) - first;
+      if (staged != item / blocks) {
+        staged = item / blocks;
+        for (int64_t n = 0; n < images; ++n)
+          for (int64_t k = 0; k < Kg; ++k)
+            for (int64_t row = 0; row < p.P; ++row) {
+              const T* in = dy + ((((first + n) * p.K) + g * Kg + k) * p.P + row) * p.Q;
+              A* out = dy_buffer.data() + ((n * Kg + k) * p.P + row) * cols;
+              for (int64_t q = 0; q < p.Q; ++q) out[q] = to_acc(in[q]);
+            }
+      }
+      const int64_t channels = std::min(channel_block, Cg - c0);
+      for (int64_t n = 0; n < images; ++n)
+        for (int64_t c = 0; c < channels; ++c)
+          fill_padded_rows(isa, x + (((first + n) * p.C) + g * Cg + c0 + c) * p.H * p.W, p.H,
+                           p.W, -p.pad_top, x_rows, -p.pad_left, p.stride_w, phase_len,
+                           x_buffer.data() + (n * channel_block + c) * x_plane);
+      WeightGradientBlock<A> block;
+      block.x = x_buffer.data();
+      block.x_image_pitch = channel_block * x_plane;
+      block.x_row_pitch = x_row_pitch;
+      block.row_step = p.stride_h;
+      block.columns = channels * RS;
+      block.column_offset = column_offset.data();
+      block.dy = dy_buffer.data();
+      block.dy_image_pitch = Kg * dy_plane;
+      block.dy_channel_pitch = dy_plane;
+      block.dy_row_pitch = cols;
+      block.images = images;
+      block.rows = p.P;
+      block.cols = cols;
+      isa.weight_gradient(block, Kg, partial.data() + slice * weights + (g * Kg * Cg + c0) * RS,
+                          Cg * RS);
+    }
+  });
+  parallel_for(weights, 1 << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      A sum = partial[i];
+      for (int64_t slice = 1; slice < slices; ++slice) sum += partial[slice * weights + i];
+      dw[i] = from_acc<T>(sum);
+    }
+  });
+}
+
+// ---- Bias gradient ------------------------------------------------------------------------------
+
+// db[b, k] = sum over n, p, q of dy[b, n, k, p, q], in 16 interleaved partial sums.
+template <class T>
+void run_bias_gradient(const T* dy, T* db, int64_t batch, int64_t N, int64_t K, int64_t plane) {
+  using A = acc_t<T>;
+  constexpr int kLanes = 16;
+  const int64_t work = std::max<int64_t>(1, N * plane);
+  parallel_for(batch * K, std::max<int64_t>(1, (int64_t(1) << 15) / work),
+               [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / K, k = item % K;
+      A lanes[kLanes] = {};
+      for (int64_t n = 0; n < N; ++n) {
+        const T* in = dy + ((b * N + n) * K + k) * plane;
+        int64_t i = 0;
+        for (; i + kLanes <= plane; i += kLanes)
+          for (int l = 0; l < kLanes; ++l) lanes[l] += to_acc(in[i + l]);
+        for (int l = 0; i < plane; ++i, ++l) lanes[l] += to_acc(in[i]);
+      }
+      A sum = lanes[0];
+      for (int l = 1; l < kLanes; ++l) sum += lanes[l];
+      db[item] = from_acc<T>(sum);
+    }
+  });
+}
+
+// ---- Handlers -----------------------------------------------------------------------------------
+
+struct ConvAttributes {
+  int64_t stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w, groups;
+};
+
+// The problem of a pass from its tensors: `in` [N, C, H, W], `weight` [K, C/g, R, S] and `out`
+// [N, K, P, Q], all of one element type.
+ffi::Error read_problem(const char* op, const ffi::AnyBuffer& in, const ffi::AnyBuffer& weight,
+                        const ffi::AnyBuffer& out, const ConvAttributes& a, ConvProblem* p) {
+  if (in.dimensions().size() != 4 || weight.dimensions().size() != 4 ||
+      out.dimensions().size() != 4)
+    return ffi::Error::InvalidArgument(std::string(op) + ": expected 4-D operands");
+  if (in.element_type() != weight.element_type() || in.element_type() != out.element_type())
+    return ffi::Error::InvalidArgument(std::string(op) + ": operands differ in element type");
+  const int64_t* i = in.dimensions().begin();
+  const int64_t* w = weight.dimensions().begin();
+  const int64_t* o = out.dimensions().begin();
+  *p = make_conv_problem(i, w, o, a.stride_h, a.stride_w, a.pad_top, a.pad_left, a.dilation_h,
+                         a.dilation_w, a.groups);
+  if (const char* problem = conv_problem_error(i, w, o, *p))
+    return ffi::Error::InvalidArgument(std::string(op) + ": " + problem);
+  return ffi::Error::Success();
+}
+
+// `precision` selects TF32 on CUDA tensor cores only: the CPU always computes in full precision.
+ffi::Error conv2d_forward(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias,
+                          ffi::Result<ffi::AnyBuffer> y, int64_t stride_h, int64_t stride_w,
+                          int64_t pad_top, int64_t pad_left, int64_t dilation_h,
+                          int64_t dilation_w, int64_t groups, int64_t /*precision*/) {
+  const ConvAttributes a{stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w, groups};
+  ConvProblem p;
+  if (auto error = read_problem("conv2d", x, w, *y, a, &p); error.failure()) return error;
+  const bool has_bias = bias.element_count() > 0;
+  if (bias.dimensions().size() != 1 || (has_bias && int64_t(bias.element_count()) != p.K) ||
+      (has_bias && bias.element_type() != x.element_type()))
+    return ffi::Error::InvalidArgument("conv2d: bias must be [K] or empty, of the input's type");
+  if (y->element_count() == 0) return ffi::Error::Success();
+  return dispatch_float(x.element_type(), "conv2d", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    run_stencil_pass(StencilPass<T>{
+        static_cast<const T*>(x.untyped_data()), static_cast<const T*>(w.untyped_data()),
+        has_bias ? static_cast<const T*>(bias.untyped_data()) : nullptr,
+        static_cast<T*>(y->untyped_data()), p.N, p.groups, p.channels_per_group(),
+        p.filters_per_group(), forward_rows(p), forward_cols(p), forward_weights(p)});
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error conv2d_backward_input(ffi::AnyBuffer dy, ffi::AnyBuffer w,
+                                 ffi::Result<ffi::AnyBuffer> dx, int64_t stride_h,
+                                 int64_t stride_w, int64_t pad_top, int64_t pad_left,
+                                 int64_t dilation_h, int64_t dilation_w, int64_t groups,
+                                 int64_t /*precision*/) {
+  const ConvAttributes a{stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w, groups};
+  ConvProblem p;
+  if (auto error = read_problem("conv2d dgrad", *dx, w, dy, a, &p); error.failure()) return error;
+  if (dx->element_count() == 0) return ffi::Error::Success();
+  return dispatch_float(dy.element_type(), "conv2d dgrad", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    run_stencil_pass(StencilPass<T>{
+        static_cast<const T*>(dy.untyped_data()), static_cast<const T*>(w.untyped_data()), nullptr,
+        static_cast<T*>(dx->untyped_data()), p.N, p.groups, p.filters_per_group(),
+        p.channels_per_group(), backward_data_rows(p), backward_data_cols(p),
+        backward_data_weights(p)});
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error conv2d_backward_weight(ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                                  ffi::Result<ffi::AnyBuffer> dw, int64_t stride_h,
+                                  int64_t stride_w, int64_t pad_top, int64_t pad_left,
+                                  int64_t dilation_h, int64_t dilation_w, int64_t groups,
+                                  int64_t /*precision*/) {
+  const ConvAttributes a{stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w, groups};
+  ConvProblem p;
+  if (auto error = read_problem("conv2d wgrad", x, *dw, dy, a, &p); error.failure()) return error;
+  if (dw->element_count() == 0) return ffi::Error::Success();
+  return dispatch_float(dy.element_type(), "conv2d wgrad", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    run_weight_gradient(static_cast<const T*>(dy.untyped_data()),
+                        static_cast<const T*>(x.untyped_data()),
+                        static_cast<T*>(dw->untyped_data()), p);
+    return ffi::Error::Success();
+  });
+}
+
+// dy [N, K, P, Q] -> db [K], or [B, N, K, P, Q] -> [B, K] (a vmapped batch).
+ffi::Error conv2d_backward_bias(ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> db) {
+  const auto d = dy.dimensions();
+  const size_t rank = d.size();
+  if ((rank != 4 && rank != 5) || db->dimensions().size() != rank - 3 ||
+      db->dimensions().back() != d[rank - 3] || (rank == 5 && db->dimensions()[0] != d[0]) ||
+      db->element_type() != dy.element_type())
+    return ffi::Error::InvalidArgument(
+        "conv2d bias gradient: expected dy [(B,) N, K, P, Q] and db [(B,) K]");
+  if (db->element_count() == 0) return ffi::Error::Success();
+  const int64_t batch = rank == 5 ? d[0] : 1;
+  return dispatch_float(dy.element_type(), "conv2d bias gradient", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    run_bias_gradient(static_cast<const T*>(dy.untyped_data()), static_cast<T*>(db->untyped_data()),
+                      batch, d[rank - 4], d[rank - 3], d[rank - 2] * d[rank - 1]);
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+
+// The static attributes of the convolution targets, in the handlers' parameter order.
+#define JK_CONV2D_ATTRIBUTES                                                             \
+  .Attr<int64_t>("stride_h").Attr<int64_t>("stride_w").Attr<int64_t>("pad_top")        \
+      .Attr<int64_t>("pad_left").Attr<int64_t>("dilation_h").Attr<int64_t>("dilation_w") \
+      .Attr<int64_t>("groups").Attr<int64_t>("precision")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Conv2dForwardCpu, conv2d_forward,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>() JK_CONV2D_ATTRIBUTES);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Conv2dBackwardInputCpu, conv2d_backward_input,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>() JK_CONV2D_ATTRIBUTES);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Conv2dBackwardWeightCpu, conv2d_backward_weight,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>() JK_CONV2D_ATTRIBUTES);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Conv2dBackwardBiasCpu, conv2d_backward_bias,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+
+JK_REGISTER_TARGET("jk_conv2d_fwd", Conv2dForwardCpu, "conv2d", "forward",
+                   "cpu direct stencil (vectorized, padded row buffers)", "bitwise");
+JK_REGISTER_TARGET("jk_conv2d_bwd_input", Conv2dBackwardInputCpu, "conv2d", "backward d_input",
+                   "cpu direct stencil over stride phases", "bitwise");
+JK_REGISTER_TARGET("jk_conv2d_bwd_weight", Conv2dBackwardWeightCpu, "conv2d",
+                   "backward d_weight", "cpu reduction over fixed image slices", "bitwise");
+JK_REGISTER_TARGET("jk_conv2d_bwd_bias", Conv2dBackwardBiasCpu, "conv2d", "backward d_bias",
+                   "cpu ordered sum", "bitwise");
+
+}  // namespace jax_kernels

@@ -1,0 +1,424 @@
+"""``conv2d``: torch.nn.functional.conv2d as a JAX op backed by the ``jk_conv2d_*`` kernels.
+
+Four FFI targets: the forward (input, weight, bias -> output), the input gradient (dgrad), the
+weight gradient (wgrad) and the bias gradient, each dtype-dispatched inside; XLA drops the ones
+nobody asked for. A missing bias travels as a zero-length array. On CUDA the forward, dgrad and
+wgrad targets also return a uint8 scratch buffer whose size the CUDA module computes at trace
+time (host query ``conv2d_scratch``: the tensor-core path's need when it takes the problem,
+else the direct kernels'); only the CUDA lowering asks for it (``lax.platform_dependent``) and
+the wrapper drops it.
+
+Batching: each FFI call has a ``custom_vmap`` rule, and the ``custom_vjp`` calls them, so
+``vmap``, ``grad`` and ``vmap(grad)`` batch without loops. A batched input folds into N. Batched
+weights (per-example weights, per-sample gradients) fold into groups: B convolutions with
+``groups=g`` are one convolution with ``groups=B*g`` over ``B*C`` channels (and when the
+input is shared, one with ``B*K`` filters stacked group by group). The bias gradient kernel takes
+one leading batch dimension itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_batching import custom_vmap
+
+from . import _ffi
+from ._checks import as_array, check_float_dtypes
+
+_OP = "conv2d"
+
+# Codes shared with cpp/include/jax_kernels/conv.h (ConvPass, ConvDtype, ConvPrecision).
+_FORWARD, _BACKWARD_DATA, _BACKWARD_WEIGHT = 0, 1, 2
+_DTYPE_CODES = {
+    np.dtype(jnp.float16): 0,
+    np.dtype(jnp.bfloat16): 1,
+    np.dtype(jnp.float32): 2,
+    np.dtype(jnp.float64): 3,
+}
+_PRECISION_CODES = {
+    None: 0,
+    "default": 0,
+    jax.lax.Precision.DEFAULT: 0,
+    "highest": 1,
+    jax.lax.Precision.HIGHEST: 1,
+}
+
+
+def conv2d(input: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0,
+           dilation: Any = 1, groups: int = 1, *, precision: Any = None) -> jax.Array:
+    """2-D convolution (cross-correlation), as ``torch.nn.functional.conv2d``.
+
+    Args:
+      input: ``[N, C, H, W]`` (or unbatched ``[C, H, W]``).
+      weight: ``[K, C / groups, R, S]``.
+      bias: ``[K]`` or None.
+      stride, dilation: int or ``(h, w)``, positive.
+      padding: int or ``(h, w)`` (the same on both sides), ``"valid"`` (none) or ``"same"``
+        (output size = input size; stride 1 only; an odd total goes to the bottom/right, as in
+        torch).
+      groups: input and output channels are split into this many groups (``groups == C`` is a
+        depthwise convolution; ``K = m * C`` gives channel multiplier m).
+      precision: None / ``"default"``: float32 runs on tensor cores in TF32 where the CUDA
+        tensor-core path takes the problem (as ``lax.conv`` and cuDNN do by default);
+        ``"highest"``: full float32 everywhere. The CPU and the direct CUDA kernels always use full
+        float32. Half types accumulate in float32.
+
+    Returns ``[N, K, P, Q]`` (``[K, P, Q]`` for an unbatched input) in the input's dtype.
+    Differentiable with respect to input, weight and bias. All arrays must share one dtype
+    among float16, bfloat16, float32 and float64.
+    """
+    x = as_array(_OP, "input", input)
+    w = as_array(_OP, "weight", weight)
+    arrays = {"input": x, "weight": w}
+    if bias is not None:
+        arrays["bias"] = as_array(_OP, "bias", bias)
+    check_float_dtypes(_OP, **arrays)
+    if x.ndim not in (3, 4):
+        raise ValueError(f"{_OP}(): expected input of shape (N, C, H, W) or (C, H, W), got "
+                         f"{tuple(x.shape)}")
+    unbatched = x.ndim == 3
+    if unbatched:
+        x = x[None]
+    conv = _make_conv(x.shape, w.shape, None if bias is None else arrays["bias"].shape, stride,
+                      padding, dilation, groups, precision)
+    b = arrays["bias"] if bias is not None else jnp.zeros((0,), x.dtype)
+    y = _conv2d(x, w, b, conv, bias is not None)
+    return y[0] if unbatched else y
+
+
+# --- validation ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Conv:
+    """The static attributes of a convolution (hashable: part of the jit cache key)."""
+
+    stride: tuple[int, int]
+    padding: tuple[int, int, int, int]  # top, bottom, left, right
+    dilation: tuple[int, int]
+    groups: int
+    precision: int
+
+    def with_groups(self, groups: int) -> "_Conv":
+        return dataclasses.replace(self, groups=groups)
+
+    def attributes(self) -> dict[str, np.int64]:
+        """The kernels' attributes; bottom/right padding is implied by the output extent."""
+        return {
+            "stride_h": np.int64(self.stride[0]),
+            "stride_w": np.int64(self.stride[1]),
+            "pad_top": np.int64(self.padding[0]),
+            "pad_left": np.int64(self.padding[2]),
+            "dilation_h": np.int64(self.dilation[0]),
+            "dilation_w": np.int64(self.dilation[1]),
+            "groups": np.int64(self.groups),
+            "precision": np.int64(self.precision),
+        }
+
+    def output_hw(self, input_hw, kernel_rs) -> tuple[int, int]:
+        (H, W), (R, S) = input_hw, kernel_rs
+        top, bottom, left, right = self.padding
+        P = (H + top + bottom - self.dilation[0] * (R - 1) - 1) // self.stride[0] + 1
+        Q = (W + left + right - self.dilation[1] * (S - 1) - 1) // self.stride[1] + 1
+        return P, Q
+
+
+def _int(name: str, value: Any) -> int:
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{_OP}(): `{name}` must be an int or a pair of ints, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{_OP}(): `{name}` must be an int or a pair of ints, got {value!r}") from None
+
+
+def _pair(name: str, value: Any) -> tuple[int, int]:
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise ValueError(f"{_OP}(): `{name}` must be an int or a pair of ints, got {value!r}")
+        return _int(name, value[0]), _int(name, value[1])
+    v = _int(name, value)
+    return v, v
+
+
+def _make_conv(x_shape, w_shape, b_shape, stride, padding, dilation, groups, precision) -> _Conv:
+    shapes = f"input {tuple(x_shape)}, weight {tuple(w_shape)}"
+    if len(w_shape) != 4:
+        raise ValueError(f"{_OP}(): expected weight of shape (K, C / groups, R, S), got "
+                         f"{tuple(w_shape)}")
+    N, C, H, W = x_shape
+    K, Cg, R, S = w_shape
+    groups = _int("groups", groups)
+    if groups <= 0:
+        raise ValueError(f"{_OP}(): groups must be positive, got {groups}")
+    stride = _pair("stride", stride)
+    dilation = _pair("dilation", dilation)
+    if min(stride) <= 0:
+        raise ValueError(f"{_OP}(): stride must be positive, got {stride}")
+    if min(dilation) <= 0:
+        raise ValueError(f"{_OP}(): dilation must be positive, got {dilation}")
+    if R <= 0 or S <= 0:
+        raise ValueError(f"{_OP}(): the kernel's spatial size must be positive; {shapes}")
+    if K % groups != 0:
+        raise ValueError(f"{_OP}(): the number of filters K={K} must be divisible by "
+                         f"groups={groups}; {shapes}")
+    if C != Cg * groups:
+        raise ValueError(f"{_OP}(): weight of shape {tuple(w_shape)} with groups={groups} "
+                         f"expects {Cg * groups} input channels, but got {shapes}")
+    if b_shape is not None and tuple(b_shape) != (K,):
+        raise ValueError(f"{_OP}(): expected bias of shape ({K},), got {tuple(b_shape)}; "
+                         f"{shapes}")
+    span = (dilation[0] * (R - 1) + 1, dilation[1] * (S - 1) + 1)
+    if isinstance(padding, str):
+        if padding == "valid":
+            pads = (0, 0, 0, 0)
+        elif padding == "same":
+            if stride != (1, 1):
+                raise ValueError(f"{_OP}(): padding='same' is not supported for strided "
+                                 f"convolutions, got stride={stride}")
+            # As torch: the total padding span - 1, the odd one out at the bottom/right.
+            ph, pw = span[0] - 1, span[1] - 1
+            pads = (ph // 2, ph - ph // 2, pw // 2, pw - pw // 2)
+        else:
+            raise ValueError(f"{_OP}(): padding must be an int, a pair of ints, 'valid' or "
+                             f"'same', got {padding!r}")
+    else:
+        ph, pw = _pair("padding", padding)
+        if ph < 0 or pw < 0:
+            raise ValueError(f"{_OP}(): padding must be non-negative, got {(ph, pw)}")
+        pads = (ph, ph, pw, pw)
+    padded = (H + pads[0] + pads[1], W + pads[2] + pads[3])
+    if span[0] > padded[0] or span[1] > padded[1]:
+        raise ValueError(f"{_OP}(): the kernel spans {span} (size {(R, S)}, dilation "
+                         f"{dilation}), larger than the padded input {padded}; {shapes}, "
+                         f"padding (top, bottom, left, right) {pads}")
+    try:
+        precision_code = _PRECISION_CODES[precision]
+    except (KeyError, TypeError):
+        raise ValueError(f"{_OP}(): precision must be None, 'default' or 'highest', got "
+                         f"{precision!r}") from None
+    return _Conv(stride, pads, dilation, groups, precision_code)
+
+
+# --- differentiation ---------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _conv2d(x, w, b, conv: _Conv, has_bias: bool):
+    return _forward_call(conv)(x, w, b)
+
+
+def _conv2d_fwd(x, w, b, conv, has_bias):
+    return _forward_call(conv)(x, w, b), (x, w)
+
+
+def _conv2d_bwd(conv, has_bias, residuals, dy):
+    x, w = residuals
+    dx = _backward_data_call(conv, tuple(x.shape[2:]))(dy, w)
+    dw = _backward_weight_call(conv, tuple(w.shape[2:]))(dy, x)
+    db = _backward_bias(dy) if has_bias else jnp.zeros((0,), dy.dtype)
+    return dx, dw, db
+
+
+_conv2d.defvjp(_conv2d_fwd, _conv2d_bwd)
+
+
+# --- FFI calls ---------------------------------------------------------------------------------
+
+
+def _emit(target: str, pass_: int, conv: _Conv, result: jax.ShapeDtypeStruct, operands,
+          problem: tuple[int, ...]) -> jax.Array:
+    """The custom call `target`; on CUDA with the scratch buffer its kernels need (dropped).
+
+    `problem` is (N, C, H, W, K, R, S, P, Q) of the forward convolution."""
+    attributes = conv.attributes()
+
+    def on_cpu(*args):
+        return _ffi.call(target, result, *args, **attributes)
+
+    if not _ffi.CUDA_BUILT:
+        return on_cpu(*operands)
+
+    scratch_bytes = _ffi.query(
+        "conv2d_scratch", pass_, _DTYPE_CODES[np.dtype(result.dtype)], conv.precision, *problem,
+        conv.stride[0], conv.stride[1], conv.padding[0], conv.padding[2], conv.dilation[0],
+        conv.dilation[1], conv.groups)
+    if scratch_bytes < 0:
+        raise RuntimeError(f"{_OP}(): the CUDA module rejected the problem {problem}")
+    scratch = jax.ShapeDtypeStruct((scratch_bytes,), jnp.uint8)
+
+    def on_cuda(*args):
+        return _ffi.call(target, (result, scratch), *args, **attributes)[0]
+
+    return jax.lax.platform_dependent(*operands, default=on_cpu, cuda=on_cuda)
+
+
+def _merge_leading(x):
+    """[B, N, ...] -> [B * N, ...]"""
+    return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+
+def _split_leading(x, batch: int):
+    """[B * N, ...] -> [B, N, ...]"""
+    return x.reshape((batch, x.shape[0] // batch) + x.shape[1:])
+
+
+def _channels_to_front(x, batch: int):
+    """[B, N, C, ...] -> [N, B * C, ...]: example b's channels become channel block b."""
+    return jnp.swapaxes(x, 0, 1).reshape((x.shape[1], batch * x.shape[2]) + x.shape[3:])
+
+
+def _channels_to_batch(x, batch: int):
+    """[N, B * C, ...] -> [B, N, C, ...], the inverse of _channels_to_front."""
+    n, bc = x.shape[:2]
+    return jnp.swapaxes(x.reshape((n, batch, bc // batch) + x.shape[2:]), 0, 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_call(conv: _Conv):
+    """x [N, C, H, W], w [K, C/g, R, S], b [K] or [0] -> y [N, K, P, Q]."""
+
+    @custom_vmap
+    def forward(x, w, b):
+        N, C, H, W = x.shape
+        K, _, R, S = w.shape
+        P, Q = conv.output_hw((H, W), (R, S))
+        result = jax.ShapeDtypeStruct((N, K, P, Q), x.dtype)
+        return _emit("jk_conv2d_fwd", _FORWARD, conv, result, (x, w, b),
+                     (N, C, H, W, K, R, S, P, Q))
+
+    @forward.def_vmap
+    def forward_batched(batch, in_batched, x, w, b):
+        x_batched, w_batched, b_batched = in_batched
+        if b.shape[-1] == 0:  # no bias (or no filters): nothing to batch
+            b, b_batched = jnp.zeros((0,), x.dtype), False
+        if not (w_batched or b_batched):
+            if not x_batched:
+                return forward(x, w, b), False
+            return _split_leading(forward(_merge_leading(x), w, b), batch), True
+        # Per-example weights (a per-example bias brings the weights along: they are small).
+        if not w_batched:
+            w = jnp.broadcast_to(w, (batch,) + w.shape)
+        has_bias = b.shape[-1] > 0
+        if has_bias and not b_batched:
+            b = jnp.broadcast_to(b, (batch,) + b.shape)
+        K, Cg, R, S = w.shape[1:]
+        g = conv.groups
+        if x_batched:
+            # Example b's channels and filters become groups b*g .. b*g + g - 1.
+            b_folded = b.reshape(batch * K) if has_bias else b
+            y = _forward_call(conv.with_groups(batch * g))(
+                _channels_to_front(x, batch), w.reshape(batch * K, Cg, R, S), b_folded)
+            return _channels_to_batch(y, batch), True
+        # A shared input: every example's filters of group j go to group j.
+        Kg = K // g
+        w_folded = jnp.swapaxes(w.reshape(batch, g, Kg, Cg, R, S), 0, 1)
+        b_folded = jnp.swapaxes(b.reshape(batch, g, Kg), 0, 1).reshape(-1) if has_bias else b
+        y = forward(x, w_folded.reshape(g * batch * Kg, Cg, R, S), b_folded)
+        N, _, P, Q = y.shape
+        y = y.reshape(N, g, batch, Kg, P, Q).transpose(2, 0, 1, 3, 4, 5)
+        return y.reshape(batch, N, K, P, Q), True
+
+    return forward
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_data_call(conv: _Conv, input_hw: tuple[int, int]):
+    """dy [N, K, P, Q], w [K, C/g, R, S] -> dx [N, C, H, W]."""
+
+    @custom_vmap
+    def backward_data(dy, w):
+        N, K, P, Q = dy.shape
+        _, Cg, R, S = w.shape
+        C = Cg * conv.groups
+        result = jax.ShapeDtypeStruct((N, C) + input_hw, dy.dtype)
+        return _emit("jk_conv2d_bwd_input", _BACKWARD_DATA, conv, result, (dy, w),
+                     (N, C) + input_hw + (K, R, S, P, Q))
+
+    @backward_data.def_vmap
+    def backward_data_batched(batch, in_batched, dy, w):
+        dy_batched, w_batched = in_batched
+        if not w_batched:
+            if not dy_batched:
+                return backward_data(dy, w), False
+            return _split_leading(backward_data(_merge_leading(dy), w), batch), True
+        K, Cg, R, S = w.shape[1:]
+        g = conv.groups
+        if dy_batched:
+            dx = _backward_data_call(conv.with_groups(batch * g), input_hw)(
+                _channels_to_front(dy, batch), w.reshape(batch * K, Cg, R, S))
+            return _channels_to_batch(dx, batch), True
+        # A shared output gradient: example b's weights give input channels (j, b, c) of group j.
+        Kg = K // g
+        w_folded = w.reshape(batch, g, Kg, Cg, R, S).transpose(1, 2, 0, 3, 4, 5)
+        dx = backward_data(dy, w_folded.reshape(K, batch * Cg, R, S))
+        N = dx.shape[0]
+        dx = dx.reshape((N, g, batch, Cg) + input_hw).transpose(2, 0, 1, 3, 4, 5)
+        return dx.reshape((batch, N, g * Cg) + input_hw), True
+
+    return backward_data
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_weight_call(conv: _Conv, kernel_rs: tuple[int, int]):
+    """dy [N, K, P, Q], x [N, C, H, W] -> dw [K, C/g, R, S]."""
+
+    @custom_vmap
+    def backward_weight(dy, x):
+        N, K, P, Q = dy.shape
+        _, C, H, W = x.shape
+        result = jax.ShapeDtypeStruct((K, C // conv.groups) + kernel_rs, dy.dtype)
+        return _emit("jk_conv2d_bwd_weight", _BACKWARD_WEIGHT, conv, result, (dy, x),
+                     (N, C, H, W, K) + kernel_rs + (P, Q))
+
+    @backward_weight.def_vmap
+    def backward_weight_batched(batch, in_batched, dy, x):
+        dy_batched, x_batched = in_batched
+        g = conv.groups
+        if dy_batched and x_batched:
+            dw = _backward_weight_call(conv.with_groups(batch * g), kernel_rs)(
+                _channels_to_front(dy, batch), _channels_to_front(x, batch))
+            return dw.reshape((batch, dw.shape[0] // batch) + dw.shape[1:]), True
+        if dy_batched:
+            # A shared input: example b's filters of group j become filters (j, b, k) of group j.
+            _, N, K, P, Q = dy.shape
+            Kg = K // g
+            dy_folded = dy.reshape(batch, N, g, Kg, P, Q).transpose(1, 2, 0, 3, 4, 5)
+            dw = backward_weight(dy_folded.reshape(N, g * batch * Kg, P, Q), x)
+            dw = jnp.swapaxes(dw.reshape((g, batch, Kg) + dw.shape[1:]), 0, 1)
+            return dw.reshape((batch, K) + dw.shape[3:]), True
+        if x_batched:
+            # A shared output gradient: example b's channels of group j become (j, b, c).
+            _, N, C, H, W = x.shape
+            Cg = C // g
+            x_folded = x.reshape(batch, N, g, Cg, H, W).transpose(1, 2, 0, 3, 4, 5)
+            dw = backward_weight(dy, x_folded.reshape(N, g * batch * Cg, H, W))
+            K = dw.shape[0]
+            return jnp.swapaxes(dw.reshape((K, batch, Cg) + kernel_rs), 0, 1), True
+        return backward_weight(dy, x), False
+
+    return backward_weight
+
+
+@custom_vmap
+def _backward_bias(dy):
+    """dy [N, K, P, Q] -> db [K], or with one leading batch dimension [B, N, K, P, Q] -> [B, K]."""
+    result = jax.ShapeDtypeStruct(dy.shape[:-4] + (dy.shape[-3],), dy.dtype)
+    return _ffi.call("jk_conv2d_bwd_bias", result, dy)
+
+
+@_backward_bias.def_vmap
+def _backward_bias_batched(batch, in_batched, dy):
+    (dy_batched,) = in_batched
+    if not dy_batched:
+        return _backward_bias(dy), False
+    if dy.ndim == 6:  # already carries the kernel's own batch dimension: merge the two
+        return _backward_bias(_merge_leading(dy)).reshape(dy.shape[:2] + (dy.shape[3],)), True
+    return _backward_bias(dy), True

@@ -1,0 +1,324 @@
+"""Tests of jk.conv2d against torch.nn.functional.conv2d (float64 on the CPU as the oracle, and
+torch CUDA side by side when it is available): forward and every gradient over a grid of
+geometries, every dtype, gradient checks, batching, the lowered program, trace-time errors and
+(on the GPU) bitwise determinism. The same file runs with JAX_PLATFORMS=cuda."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jax_kernels as jk
+from jax_kernels import _ffi
+from jk_testing import (ON_GPU, assert_close, assert_lowered, from_torch, random, rtol,
+                        to_torch, torch, torch_dtype)
+
+pytestmark = [
+    pytest.mark.skipif(torch is None, reason="torch is the oracle"),
+    # torch's own remark about how it pads asymmetric "same" convolutions.
+    pytest.mark.filterwarnings("ignore:Using padding='same'"),
+]
+
+TORCH_CUDA = torch is not None and ON_GPU and torch.cuda.is_available()
+TARGETS = ("jk_conv2d_fwd", "jk_conv2d_bwd_input", "jk_conv2d_bwd_weight", "jk_conv2d_bwd_bias")
+
+
+def torch_conv(x, w, b, dy, device="cpu", dtype=None, **options):
+    """torch's output and gradients (input, weight, bias) as float64 NumPy arrays."""
+    def tensor(a):
+        return to_torch(a, dtype).to(device).requires_grad_()
+
+    tx, tw = tensor(x), tensor(w)
+    tb = tensor(b) if b is not None else None
+    ty = torch.nn.functional.conv2d(tx, tw, tb, **options)
+    ty.backward(to_torch(dy, dtype).to(device))
+    grads = (tx.grad, tw.grad, tb.grad if tb is not None else None)
+    grads = tuple(None if g is None else from_torch(g.cpu()) for g in grads)
+    return (from_torch(ty.cpu()),) + grads
+
+
+def jk_conv(x, w, b, dy, **options):
+    """jk's output and gradients, through jit."""
+    def f(x, w, b):
+        return jk.conv2d(x, w, b, **options)
+
+    y, vjp = jax.vjp(jax.jit(f), x, w, b)
+    return (y,) + vjp(dy)
+
+
+def operands(seed, shape_x, shape_w, bias, dtype, options):
+    x = random(seed, shape_x, dtype)
+    w = random(seed + 1, shape_w, dtype)
+    b = random(seed + 2, (shape_w[0],), dtype) if bias else None
+    y = jax.eval_shape(lambda x, w: jk.conv2d(x, w, None, **options), x, w)
+    dy = random(seed + 3, y.shape, dtype)
+    return x, w, b, dy
+
+
+# (input shape, weight shape, options, bias): odd sizes, strides, dilations, padding modes,
+# groups, depthwise with and without channel multiplier, 1x1, kernels as large as the input,
+# and the geometries that select each CUDA kernel (unrolled 3x3/5x5/7x7 stencils with 7- and
+# 8-row strips, the generic stencil, the global-memory stencil, generic weight gradients with
+# more than 16 taps).
+GEOMETRIES = [
+    ((2, 3, 7, 9), (4, 3, 3, 3), dict(), True),
+    ((2, 3, 8, 8), (5, 3, 3, 3), dict(padding=1), True),
+    ((1, 4, 11, 10), (6, 2, 3, 2),
+     dict(stride=(2, 3), padding=(1, 2), dilation=(2, 1), groups=2), True),
+    ((2, 5, 13, 12), (4, 5, 1, 1), dict(), False),
+    ((1, 8, 9, 9), (16, 8, 1, 1), dict(stride=2), True),
+    ((2, 4, 9, 11), (6, 4, 4, 4), dict(padding="same"), True),
+    ((2, 4, 10, 9), (6, 4, 2, 3), dict(padding="same", dilation=(1, 3)), False),
+    ((2, 6, 10, 10), (6, 3, 3, 3), dict(padding="valid", groups=2), True),
+    ((2, 6, 12, 12), (6, 1, 7, 7), dict(padding=3, groups=6), True),
+    ((2, 6, 14, 14), (6, 1, 7, 7), dict(padding="same", groups=6), False),
+    ((2, 4, 16, 16), (4, 1, 3, 3), dict(padding=1, groups=4), True),
+    ((1, 4, 9, 20), (4, 1, 5, 5), dict(padding=2, groups=4), True),
+    ((2, 3, 10, 11), (6, 1, 3, 3), dict(padding=1, groups=3), True),  # channel multiplier 2
+    ((2, 4, 12, 13), (12, 1, 5, 5), dict(stride=2, padding=2, groups=4), True),
+    ((1, 4, 15, 15), (4, 1, 3, 3), dict(stride=2, padding=1, dilation=2, groups=4), False),
+    ((2, 4, 17, 9), (4, 1, 5, 5), dict(stride=(2, 1), padding=(2, 0), groups=4), True),
+    ((1, 2, 5, 6), (3, 2, 5, 6), dict(), True),  # the kernel covers the input
+    ((1, 2, 3, 3), (2, 2, 5, 5), dict(padding=1), True),  # only with padding
+    ((3, 16, 20, 33), (16, 16, 3, 3), dict(padding=1), False),
+    ((1, 2, 70, 70), (2, 1, 3, 3), dict(dilation=30, padding=1, groups=2), True),
+    ((2, 2, 9, 9), (2, 2, 5, 5), dict(stride=3, padding=4), True),
+    ((1, 1, 66, 70), (1, 1, 3, 3), dict(padding=1), True),
+]
+
+
+def _id(geometry):
+    shape_x, shape_w, options, bias = geometry
+    text = "x" + "x".join(map(str, shape_x)) + "-w" + "x".join(map(str, shape_w))
+    text += "".join(f"-{k}{v}" for k, v in options.items()).replace(" ", "")
+    return text + ("-b" if bias else "")
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=_id)
+def test_float64_matches_torch(geometry):
+    shape_x, shape_w, options, bias = geometry
+    x, w, b, dy = operands(0, shape_x, shape_w, bias, jnp.float64, options)
+    expected = torch_conv(x, w, b, dy, **options)
+    got = jk_conv(x, w, b, dy, **options)
+    for name, a, e in zip(("output", "d_input", "d_weight", "d_bias"), got, expected):
+        if e is not None:
+            assert_close(a, e, jnp.float64), name
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("geometry", [GEOMETRIES[i] for i in (1, 2, 9, 12, 13, 18)], ids=_id)
+def test_low_precision_relative_error(dtype, geometry):
+    """Half types accumulate in float32; float32 with precision='highest' is full precision on
+    every path. The oracle is float64 on the same (rounded) inputs."""
+    shape_x, shape_w, options, bias = geometry
+    x, w, b, dy = operands(1, shape_x, shape_w, bias, dtype, options)
+    as64 = lambda a: None if a is None else a.astype(jnp.float64)
+    expected = torch_conv(as64(x), as64(w), as64(b), as64(dy), **options)
+    got = jk_conv(x, w, b, dy, precision="highest", **options)
+    for name, a, e in zip(("output", "d_input", "d_weight", "d_bias"), got, expected):
+        if e is not None:
+            assert a.dtype == dtype, name
+            assert_close(a, e, dtype), name
+
+
+@pytest.mark.parametrize("geometry", [GEOMETRIES[i] for i in (1, 5, 18)], ids=_id)
+def test_float32_default_precision(geometry):
+    """precision=None may use TF32 on tensor cores (GPU): 1e-3 relative there, exact elsewhere."""
+    shape_x, shape_w, options, bias = geometry
+    x, w, b, dy = operands(2, shape_x, shape_w, bias, jnp.float32, options)
+    as64 = lambda a: None if a is None else a.astype(jnp.float64)
+    expected = torch_conv(as64(x), as64(w), as64(b), as64(dy), **options)
+    got = jk_conv(x, w, b, dy, **options)
+    tolerance = 1e-3 if ON_GPU else rtol(jnp.float32)
+    for a, e in zip(got, expected):
+        if e is not None:
+            assert_close(a, e, rtol_=tolerance)
+
+
+@pytest.mark.skipif(not TORCH_CUDA, reason="needs torch with CUDA next to JAX on the GPU")
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("geometry", [GEOMETRIES[i] for i in (1, 9, 13, 18)], ids=_id)
+def test_matches_torch_cuda(dtype, geometry):
+    """Side by side with torch CUDA in the same dtype (both may use TF32 for float32)."""
+    shape_x, shape_w, options, bias = geometry
+    x, w, b, dy = operands(3, shape_x, shape_w, bias, dtype, options)
+    expected = torch_conv(x, w, b, dy, device="cuda", **options)
+    got = jk_conv(x, w, b, dy, **options)
+    tolerance = 2e-3 if dtype == jnp.float32 else 2e-2
+    for a, e in zip(got, expected):
+        if e is not None:
+            assert_close(a, e, rtol_=tolerance)
+
+
+def test_check_grads():
+    for groups, shape_w in ((1, (3, 2, 3, 2)), (2, (4, 1, 3, 3))):
+        x = random(4, (2, 2, 6, 7), jnp.float64)
+        w = random(5, shape_w, jnp.float64)
+        b = random(6, (shape_w[0],), jnp.float64)
+        f = lambda x, w, b: jk.conv2d(x, w, b, stride=(1, 2), padding=(1, 0), dilation=(2, 1),
+                                      groups=groups)
+        check_grads(f, (x, w, b), order=1, modes=("rev",))
+
+
+def test_unbatched_input_and_empty_batch():
+    x = random(7, (3, 8, 9), jnp.float64)
+    w = random(8, (4, 3, 3, 3), jnp.float64)
+    dy = random(9, (4, 6, 7), jnp.float64)
+    y, vjp = jax.vjp(lambda x, w: jk.conv2d(x, w), x, w)
+    expected = torch_conv(x[None], w, None, dy[None])
+    assert_close(y, expected[0][0], jnp.float64)
+    dx, dw = vjp(dy)
+    assert_close(dx, expected[1][0], jnp.float64)
+    assert_close(dw, expected[2], jnp.float64)
+
+    empty = jnp.zeros((0, 3, 8, 9), jnp.float32)
+    w32 = w.astype(jnp.float32)
+    assert jk.conv2d(empty, w32).shape == (0, 4, 6, 7)
+    dw = jax.grad(lambda w: jnp.sum(jk.conv2d(empty, w)))(w32)
+    np.testing.assert_array_equal(np.asarray(dw), 0)
+
+
+# --- batching --------------------------------------------------------------------------------
+
+def _reference(x, w, b, **options):
+    """lax.conv with explicit padding: an oracle that vmaps on its own."""
+    (ph, pw), stride = options.get("padding", (0, 0)), options.get("stride", 1)
+    stride = (stride, stride) if isinstance(stride, int) else stride
+    dilation = options.get("dilation", (1, 1))
+    y = jax.lax.conv_general_dilated(x, w, stride, [(ph, ph), (pw, pw)], rhs_dilation=dilation,
+                                     feature_group_count=options.get("groups", 1),
+                                     dimension_numbers=("NCHW", "OIHW", "NCHW"),
+                                     precision="highest")
+    return y if b is None else y + b[:, None, None]
+
+
+BATCH_OPTIONS = dict(stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=2)
+
+
+@pytest.mark.parametrize("in_axes", [(0, None, None), (None, 0, None), (None, None, 0),
+                                     (0, 0, None), (0, 0, 0), (None, 0, 0), (0, None, 0)])
+def test_vmap_and_vmap_of_grad(in_axes):
+    B = 3
+    full = (random(10, (B, 2, 4, 9, 8), jnp.float64), random(11, (B, 6, 2, 3, 3), jnp.float64),
+            random(12, (B, 6), jnp.float64))
+    args = [a if axis == 0 else a[0] for a, axis in zip(full, in_axes)]
+    f = lambda x, w, b: jk.conv2d(x, w, b, **BATCH_OPTIONS)
+    r = lambda x, w, b: _reference(x, w, b, **BATCH_OPTIONS)
+    assert_close(jax.vmap(f, in_axes)(*args), jax.vmap(r, in_axes)(*args), jnp.float64)
+    loss = lambda g: jax.grad(lambda x, w, b: jnp.sum(g(x, w, b) ** 2), argnums=(0, 1, 2))
+    got = jax.jit(jax.vmap(loss(f), in_axes))(*args)
+    expected = jax.vmap(loss(r), in_axes)(*args)
+    for a, e in zip(got, expected):
+        assert_close(a, e, jnp.float64)
+
+
+def test_nested_vmap_and_per_example_gradients():
+    f = lambda x, w: jk.conv2d(x, w, None, **BATCH_OPTIONS)
+    r = lambda x, w: _reference(x, w, None, **BATCH_OPTIONS)
+    xs = random(13, (2, 3, 2, 4, 9, 8), jnp.float64)
+    ws = random(14, (2, 3, 6, 2, 3, 3), jnp.float64)
+    assert_close(jax.vmap(jax.vmap(f))(xs, ws), jax.vmap(jax.vmap(r))(xs, ws), jnp.float64)
+    assert_close(jax.vmap(jax.vmap(f, (0, None)), (None, 0))(xs[0], ws[:, 0]),
+                 jax.vmap(jax.vmap(r, (0, None)), (None, 0))(xs[0], ws[:, 0]), jnp.float64)
+
+    # Per-sample gradients, the vmap(grad) of a training step: weights fold into groups.
+    x = random(15, (5, 4, 9, 8), jnp.float64)
+    w, b = random(16, (6, 2, 3, 3), jnp.float64), random(17, (6,), jnp.float64)
+
+    def per_sample(conv):
+        loss = lambda w, b, x: jnp.sum(jnp.tanh(conv(x[None], w, b)))
+        return jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(None, None, 0))
+
+    conv = lambda x, w, b: jk.conv2d(x, w, b, **BATCH_OPTIONS)
+    ref = lambda x, w, b: _reference(x, w, b, **BATCH_OPTIONS)
+    got = jax.jit(per_sample(conv))(w, b, x)
+    for a, e in zip(got, per_sample(ref)(w, b, x)):
+        assert_close(a, e, jnp.float64)
+    # No input gradient is asked for, so its kernel is dropped.
+    text = assert_lowered(per_sample(conv), w, b, x,
+                          targets=("jk_conv2d_fwd", "jk_conv2d_bwd_weight", "jk_conv2d_bwd_bias"))
+    assert "convolution" not in text and "jk_conv2d_bwd_input" not in text
+
+
+def test_lowered_program_holds_custom_calls_only():
+    x, w, b = random(18, (2, 4, 8, 8)), random(19, (4, 1, 3, 3)), random(20, (4,))
+    f = lambda x, w, b: jnp.sum(jk.conv2d(x, w, b, padding=1, groups=4) ** 2)
+    text = assert_lowered(jax.grad(f, argnums=(0, 1, 2)), x, w, b, targets=TARGETS)
+    assert "convolution" not in text
+    text = assert_lowered(jax.vmap(jax.grad(f, argnums=(0, 1, 2))), x[None], w[None], b[None],
+                          targets=TARGETS)
+    assert "convolution" not in text
+
+
+@pytest.mark.skipif(not _ffi.CUDA_BUILT, reason="the CUDA module is not built")
+def test_cuda_lowering_requests_scratch():
+    """Cross-lowered for CUDA (possible without a GPU): fwd, dgrad and wgrad return a uint8
+    scratch buffer next to their result; the bias gradient does not."""
+    x, w, b = random(21, (2, 8, 10, 10)), random(22, (8, 1, 3, 3)), random(23, (8,))
+    f = jax.grad(lambda x, w, b: jnp.sum(jk.conv2d(x, w, b, padding=1, groups=8) ** 2),
+                 argnums=(0, 1, 2))
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in TARGETS]
+    text = jax.export.export(jax.jit(f), platforms=("cuda",), disabled_checks=checks)(
+        x, w, b).mlir_module()
+    for target in TARGETS[:3]:
+        call = re.search(rf"custom_call @{target}\(.*", text).group(0)
+        assert re.search(r"-> \(tensor<[0-9x]+xf32>, tensor<\d+xui8>\)", call), call
+    assert "stablehlo.while" not in text and "convolution" not in text
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("x_shape, w_shape, options, message", [
+    ((1, 4, 8, 8), (2, 3, 3, 3), dict(), "expects 3 input channels"),
+    ((1, 4, 8, 8), (3, 2, 3, 3), dict(groups=2), "divisible by groups=2"),
+    ((1, 4, 8, 8), (6, 2, 3, 3), dict(groups=3), "expects 6 input channels"),
+    ((1, 4, 8, 8), (2, 4, 3, 3), dict(groups=0), "groups must be positive"),
+    ((1, 4, 3, 3), (2, 4, 5, 5), dict(), "larger than the padded input"),
+    ((1, 4, 8, 8), (2, 4, 3, 3), dict(dilation=4), "larger than the padded input"),
+    ((1, 4, 8, 8), (2, 4, 3, 3), dict(stride=0), "stride must be positive"),
+    ((1, 4, 8, 8), (2, 4, 3, 3), dict(dilation=(1, -1)), "dilation must be positive"),
+    ((1, 4, 8, 8), (2, 4, 3, 3), dict(padding="full"), "padding must be"),
+    ((1, 4, 8, 8), (2, 4, 3, 3), dict(padding=-1), "non-negative"),
+    ((1, 4, 8, 8), (2, 4, 3, 3), dict(padding="same", stride=2), "strided"),
+    ((1, 4, 8, 8), (2, 4, 3, 3), dict(precision="fast"), "precision"),
+    ((4, 8, 8), (2, 4, 3), dict(), "weight of shape"),
+    ((8, 8), (2, 4, 3, 3), dict(), "input of shape"),
+])
+def test_trace_time_errors(x_shape, w_shape, options, message):
+    x, w = jnp.zeros(x_shape), jnp.zeros(w_shape)
+    with pytest.raises(ValueError, match=message) as info:
+        jax.jit(lambda x, w: jk.conv2d(x, w, **options)).trace(x, w)
+    assert "conv2d()" in str(info.value)
+
+
+def test_type_errors():
+    x, w = jnp.zeros((1, 2, 5, 5), jnp.float32), jnp.zeros((3, 2, 3, 3), jnp.float32)
+    with pytest.raises(TypeError, match="conv2d"):
+        jk.conv2d(x, w.astype(jnp.float16))
+    with pytest.raises(TypeError, match="conv2d"):
+        jk.conv2d(x, w, jnp.zeros((3,), jnp.bfloat16))
+    with pytest.raises(TypeError, match="conv2d"):
+        jk.conv2d(x.astype(jnp.int32), w.astype(jnp.int32))
+    with pytest.raises(ValueError, match=r"bias of shape \(3,\)"):
+        jk.conv2d(x, w, jnp.zeros((4,), jnp.float32))
+
+
+# --- determinism (GPU) ---------------------------------------------------------------------------
+
+@pytest.mark.skipif(not ON_GPU, reason="the CPU kernels are deterministic by construction")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float64])
+@pytest.mark.parametrize("geometry", [GEOMETRIES[i] for i in (9, 13, 18)], ids=_id)
+def test_gradients_are_bitwise_reproducible(dtype, geometry):
+    shape_x, shape_w, options, bias = geometry
+    x, w, b, dy = operands(24, shape_x, shape_w, bias, dtype, options)
+    grads = jax.jit(lambda x, w, b, dy: jax.vjp(
+        lambda x, w, b: jk.conv2d(x, w, b, **options), x, w, b)[1](dy))
+    first = [np.asarray(g) for g in grads(x, w, b, dy) if g is not None]
+    for _ in range(20):
+        for a, e in zip(grads(x, w, b, dy), first):
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), e.view(np.uint8))
