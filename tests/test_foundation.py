@@ -66,3 +66,11 @@ def test_half_conversions_round_to_nearest_even(dtype):
     np.testing.assert_array_equal(got.view(np.uint16)[exact], expected.view(np.uint16)[exact])
     assert np.all(np.isnan(got.astype(np.float32)[nan]))
     np.testing.assert_array_equal(np.asarray(jk.repeat(dout, (1,))).view(np.uint16), np.asarray(dout).view(np.uint16))
+
+
+def test_subnormal_handling_does_not_depend_on_the_thread():
+    # Large enough to be split over the CPU pool: every chunk must treat float32 subnormals as
+    # the calling thread does (XLA's CPU threads flush them; the GPU keeps them).
+    x = jnp.full((1 << 21,), 1e-40, jnp.float32)
+    out = np.asarray(jk.lerp(x, x, 0.25))
+    assert np.all(out == out[0]), np.unique(out)

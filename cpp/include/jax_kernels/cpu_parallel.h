@@ -15,7 +15,22 @@
 #include <thread>
 #include <vector>
 
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+
 namespace jax_kernels {
+
+// The caller's floating-point control state, which workers adopt for a task: XLA's CPU threads
+// flush subnormals to zero, and a chunk must not round differently on a worker thread.
+struct FloatControl {
+#if defined(__SSE__)
+  unsigned csr = _mm_getcsr();
+  void apply() const { _mm_setcsr(csr); }
+#else
+  void apply() const {}
+#endif
+};
 
 class ThreadPool {
  public:
@@ -36,6 +51,7 @@ class ThreadPool {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       task_ = &task;
+      control_ = FloatControl{};
       chunks_ = chunks;
       pending_ = chunks - 1;
       ++generation_;
@@ -74,6 +90,7 @@ class ThreadPool {
     uint64_t seen = 0;
     for (;;) {
       const std::function<void(int)>* task;
+      FloatControl control;
       {
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
@@ -81,7 +98,9 @@ class ThreadPool {
         seen = generation_;
         if (index >= chunks_) continue;
         task = task_;
+        control = control_;
       }
+      control.apply();
       (*task)(index);
       std::lock_guard<std::mutex> lock(mutex_);
       if (--pending_ == 0) done_.notify_one();
@@ -93,6 +112,7 @@ class ThreadPool {
   std::mutex mutex_;  // guards the fields below
   std::condition_variable wake_, done_;
   const std::function<void(int)>* task_ = nullptr;
+  FloatControl control_;
   int chunks_ = 0;
   int pending_ = 0;
   uint64_t generation_ = 0;
