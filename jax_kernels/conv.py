@@ -88,7 +88,7 @@ def conv2d(input: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: 
     conv = _make_conv(x.shape, w.shape, None if bias is None else arrays["bias"].shape, stride,
                       padding, dilation, groups, precision)
     b = arrays["bias"] if bias is not None else jnp.zeros((0,), x.dtype)
-    y = _conv2d(x, w, b, conv, bias is not None)
+    y = _conv2d_jit(x, w, b, conv, bias is not None)
     return y[0] if unbatched else y
 
 
@@ -228,6 +228,9 @@ def _conv2d_bwd(conv, has_bias, residuals, dy):
 
 
 _conv2d.defvjp(_conv2d_fwd, _conv2d_bwd)
+# Called through jit so that eager calls reuse compiled executables (the CUDA/CPU choice in
+# _emit would otherwise be traced and compiled anew on every eager call).
+_conv2d_jit = jax.jit(_conv2d, static_argnums=(3, 4))
 
 
 # --- FFI calls ---------------------------------------------------------------------------------

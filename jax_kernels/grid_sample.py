@@ -65,7 +65,7 @@ def grid_sample(input: Any, grid: Any, mode: str = "bilinear", padding_mode: str
     input = as_array("grid_sample", "input", input)
     grid = as_array("grid_sample", "grid", grid)
     options = _check(input, grid, mode, padding_mode, align_corners, deterministic)
-    return _grid_sample(input, grid, options)
+    return _grid_sample_jit(input, grid, options)
 
 
 def _check(input, grid, mode, padding_mode, align_corners, deterministic) -> _Options:
@@ -131,6 +131,9 @@ def _grid_sample_bwd(options, residuals, dout):
 
 
 _grid_sample.defvjp(_grid_sample_fwd, _grid_sample_bwd)
+# Called through jit so that eager calls reuse compiled executables (the CUDA/CPU choice of the
+# backward would otherwise be traced and compiled anew on every eager gradient).
+_grid_sample_jit = jax.jit(_grid_sample, static_argnums=(2,))
 
 
 # --- kernel calls and their batching ---------------------------------------------------------

@@ -84,7 +84,7 @@ def roi_align(input: Any, boxes: Any, output_size: int | Sequence[int], spatial_
     check_float_dtypes("roi_align", input=input, boxes=boxes)
     params = _Params(*_output_size(output_size), _spatial_scale(spatial_scale),
                      _sampling_ratio(sampling_ratio), bool(aligned))
-    return _roi_align(input, boxes, params, bool(deterministic))
+    return _roi_align_jit(input, boxes, params, bool(deterministic))
 
 
 def _rois(input: jax.Array, boxes: Any) -> jax.Array:
@@ -294,3 +294,6 @@ def _roi_align_bwd(params, deterministic, residuals, dout):
 
 
 _roi_align.defvjp(_roi_align_fwd, _roi_align_bwd)
+# Called through jit so that eager calls reuse compiled executables (the CUDA/CPU choice of the
+# backward would otherwise be traced and compiled anew on every eager gradient).
+_roi_align_jit = jax.jit(_roi_align, static_argnums=(2, 3))

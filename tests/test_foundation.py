@@ -74,3 +74,31 @@ def test_subnormal_handling_does_not_depend_on_the_thread():
     x = jnp.full((1 << 21,), 1e-40, jnp.float32)
     out = np.asarray(jk.lerp(x, x, 0.25))
     assert np.all(out == out[0]), np.unique(out)
+
+
+def test_eager_calls_reuse_compiled_executables(caplog):
+    # Each op's core runs through jit: repeated eager calls (forward and gradient) must not
+    # compile anything new, or every eager call would pay tens of milliseconds.
+    x = jax.random.normal(jax.random.key(0), (2, 3, 12, 12))
+    grid = jax.random.uniform(jax.random.key(1), (2, 5, 6, 2), minval=-1, maxval=1)
+    boxes = jnp.array([[0, 1.0, 1.0, 9.0, 7.0]])
+    w = jax.random.normal(jax.random.key(2), (4, 3, 3, 3))
+    calls = [
+        lambda: jk.conv2d(x, w, padding=1),
+        lambda: jax.grad(lambda w: jk.conv2d(x, w, padding=1).sum())(w),
+        lambda: jk.grid_sample(x, grid),
+        lambda: jax.grad(lambda g: jk.grid_sample(x, g).sum())(grid),
+        lambda: jk.roi_align(x, boxes, 3),
+        lambda: jax.grad(lambda b: jk.roi_align(x, b, 3).sum())(boxes),
+        lambda: jk.lerp(x, 2 * x, 0.3),
+        lambda: jk.repeat(x, (1, 2, 1, 1)),
+    ]
+    for call in calls:
+        jax.block_until_ready(call())
+    compiled = []
+    for call in calls:
+        caplog.clear()
+        with jax.log_compiles(), caplog.at_level("WARNING"):
+            jax.block_until_ready(call())
+        compiled += [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
+    assert not compiled, compiled
