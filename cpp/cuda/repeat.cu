@@ -262,7 +262,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RepeatBackwardCuda, repeat_backward,
                                   .Ret<ffi::AnyBuffer>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
-JK_REGISTER_TARGET("jk_repeat_fwd", RepeatForwardCuda, "repeat", "forward", "cuda copy (16-byte chunks)",
+JK_REGISTER_TARGET("jk_repeat_fwd", RepeatForwardCuda, "repeat", "forward",
+                   "cuda copy (bulk copies on sm_90+, else 16-byte chunks)",
                    "bitwise");
 JK_REGISTER_TARGET("jk_repeat_bwd", RepeatBackwardCuda, "repeat", "backward d_input",
                    "cuda ordered sum", "bitwise");
