@@ -394,6 +394,15 @@ def cases_grid_sample(ctx: Context) -> list[Case]:
             Contender("jk atomic", lambda x=x, g=grid, d=dout: jk_both_atomic(x, g, d)),
             Contender("jnp gather", lambda x=x, g=grid, d=dout: jnp_both(x, g, d)),
         ])
+        # Ten forwards on ten grids inside one jit: the per-call time without JAX's dispatch
+        # cost (distinct grids, so that XLA cannot merge the calls).
+        grids = [grid * (1.0 - 0.01 * i) for i in range(10)]
+        jk_ten = jax.jit(lambda x, gs: [jk.grid_sample(x, g) for g in gs])
+        jnp_ten = jax.jit(lambda x, gs: [jnp_grid_sample_bilinear(x, g) for g in gs])
+        ten = Case(f"grid_sample fwd {label}, 10 calls in one jit", 2 * tensor + grid_bytes, [
+            Contender("jax_kernels", lambda x=x, gs=grids: jk_ten(x, gs)),
+            Contender("jnp gather", lambda x=x, gs=grids: jnp_ten(x, gs)),
+        ], calls=10)
         if ctx.torch_device is not None:
             tx = _to_torch(ctx, x).requires_grad_(True)
             tg = _to_torch(ctx, grid).requires_grad_(True)
@@ -408,7 +417,7 @@ def cases_grid_sample(ctx: Context) -> list[Case]:
                 "torch", lambda tx=tx, tg=tg: sample(tx.detach(), tg.detach(), align_corners=False),
                 "torch"))
             both.contenders.append(Contender("torch", torch_both, "torch"))
-        cases += [fwd, both]
+        cases += [fwd, ten, both]
     return cases
 
 
@@ -517,7 +526,7 @@ def run(ops: list[str], quick: bool, dispatches: int, rounds: int) -> dict:
     print(f"# {device} ({platform}), jax {jax.__version__}, torch {report['torch']}, "
           f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write), "
           f"JAX dispatch of a one-element jit {overhead:.4f} ms")
-    print(f"{'case':58s} {'contender':12s} {'ms':>9s} {'x floor':>8s} {'x jk':>7s}")
+    print(f"{'case':66s} {'contender':12s} {'ms':>9s} {'x floor':>8s} {'x jk':>7s}")
     for op in ops:
         for case in CASES[op](ctx):
             floor_ms = case.floor_bytes / bandwidth * 1e3
@@ -525,7 +534,7 @@ def run(ops: list[str], quick: bool, dispatches: int, rounds: int) -> dict:
             ours = times.get("jax_kernels")
             for name, ms in times.items():
                 ratio = f"{ms / ours:7.2f}" if ours else "      -"
-                print(f"{case.name[:58]:58s} {name:12s} {ms:9.4f} {ms / floor_ms:8.2f} {ratio}")
+                print(f"{case.name[:66]:66s} {name:12s} {ms:9.4f} {ms / floor_ms:8.2f} {ratio}")
             report["cases"].append({"case": case.name, "floor_ms": floor_ms, "ms": times})
             sys.stdout.flush()
     return report
