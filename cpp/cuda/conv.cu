@@ -67,19 +67,18 @@ __device__ __forceinline__ int64_t sample_of(const StencilAxis& a, int64_t u) {
   return a.sample(u);
 }
 
-// Stages the tiles of `planes` source planes into shared memory: tile z (at tiles +
-// z * tile_stride, row pitch `pitch`) element (a, c) is the upsampled source_of(z) at
-// (u0 + a, v0 + c), zero outside, stored as S (the element type itself, or the accumulation
-// type). The block's threads split the columns (consecutive threads, consecutive columns: the
-// loads coalesce and the stores hit distinct banks) and walk rows, so the column tests are done
-// once per thread; up to kInFlight loads per thread are issued before any of their stores, so
-// that a tile arrives in one or two memory round trips. Tile origins and extents fit in 32 bits.
-template <int kInFlight, class S, class T, class SourceOf>
-__device__ __forceinline__ void stage_tiles(S* tiles, int tile_stride, int planes,
-                                            const SourceOf& source_of, const StencilAxis& rows,
-                                            const StencilAxis& cols, int64_t u0, int64_t v0,
-                                            int tile_rows, int tile_cols, int pitch) {
-  const int threads = int(blockDim.x), tid = int(threadIdx.x);
+// Stages one tile of a source plane into shared memory with threads tid of `threads`: element
+// (a, c) of `tile` (row pitch `pitch`) is the upsampled source at (u0 + a, v0 + c), zero
+// outside, stored as S (the element type itself, or the accumulation type). The threads split
+// the columns (consecutive threads, consecutive columns: the loads coalesce and the stores hit
+// distinct banks) and walk rows, so the column tests are done once per thread; up to kInFlight
+// loads per thread are issued before any of their stores, so that a tile arrives in one memory
+// round trip where it can. Tile origins and extents fit in 32 bits.
+template <int kInFlight, class S, class T>
+__device__ __forceinline__ void stage_tile(S* tile, const T* __restrict__ source,
+                                           const StencilAxis& rows, const StencilAxis& cols,
+                                           int64_t u0, int64_t v0, int tile_rows, int tile_cols,
+                                           int pitch, int tid, int threads) {
   const int col_threads = std::min(threads, tile_cols), row_threads = threads / col_threads;
   if (tid >= col_threads * row_threads) return;
   const int first_row = tid / col_threads;
@@ -89,30 +88,28 @@ __device__ __forceinline__ void stage_tiles(S* tiles, int tile_stride, int plane
     constexpr int kBatch = decltype(rows_upsampled)::value ? 1 : kInFlight;
     for (int c = tid % col_threads; c < tile_cols; c += col_threads) {
       const int64_t col = sample_of(cols, v0 + c);
-      for (int z = 0; z < planes; ++z) {
-        const T* src = source_of(z) + col;
-        S* dst = tiles + z * tile_stride + c;
-        for (int a0 = first_row; a0 < tile_rows; a0 += kBatch * row_threads) {
-          T v[kBatch];
+      const T* src = source + col;
+      S* dst = tile + c;
+      for (int a0 = first_row; a0 < tile_rows; a0 += kBatch * row_threads) {
+        T v[kBatch];
 #pragma unroll
-          for (int f = 0; f < kBatch; ++f) {
-            const int a = a0 + f * row_threads, u = first_u + a;
-            int64_t row;
-            if constexpr (decltype(rows_upsampled)::value)
-              row = rows.sample(u);
+        for (int f = 0; f < kBatch; ++f) {
+          const int a = a0 + f * row_threads, u = first_u + a;
+          int64_t row;
+          if constexpr (decltype(rows_upsampled)::value)
+            row = rows.sample(u);
+          else
+            row = unsigned(u) < unsigned(height) ? u : -1;
+          v[f] = (a < tile_rows && row >= 0 && col >= 0) ? src[row * cols.source] : T{};
+        }
+#pragma unroll
+        for (int f = 0; f < kBatch; ++f) {
+          const int a = a0 + f * row_threads;
+          if (a < tile_rows) {
+            if constexpr (std::is_same_v<S, T>)
+              dst[a * pitch] = v[f];
             else
-              row = unsigned(u) < unsigned(height) ? u : -1;
-            v[f] = (a < tile_rows && row >= 0 && col >= 0) ? src[row * cols.source] : T{};
-          }
-#pragma unroll
-          for (int f = 0; f < kBatch; ++f) {
-            const int a = a0 + f * row_threads;
-            if (a < tile_rows) {
-              if constexpr (std::is_same_v<S, T>)
-                dst[a * pitch] = v[f];
-              else
-                dst[a * pitch] = to_acc(v[f]);
-            }
+              dst[a * pitch] = to_acc(v[f]);
           }
         }
       }
@@ -124,17 +121,16 @@ __device__ __forceinline__ void stage_tiles(S* tiles, int tile_stride, int plane
     stage(std::true_type{});
 }
 
-// stage_tiles for a source that is not upsampled, whose rows are whole 16-byte vectors (width a
+// stage_tile for a source that is not upsampled, whose rows are whole 16-byte vectors (width a
 // multiple of the vector, 16-byte aligned planes), with v0 a multiple of the vector, stored as T:
 // one 16-byte load and store per vector (up to the tile columns rounded up to a vector, within
 // the pitch).
-template <int kInFlight, class T, class SourceOf>
-__device__ __forceinline__ void stage_tiles_vectors(T* tiles, int tile_stride, int planes,
-                                                    const SourceOf& source_of, int64_t height,
-                                                    int64_t width, int64_t u0, int64_t v0,
-                                                    int tile_rows, int tile_cols, int pitch) {
+template <int kInFlight, class T>
+__device__ __forceinline__ void stage_tile_vectors(T* tile, const T* __restrict__ source,
+                                                   int64_t height, int64_t width, int64_t u0,
+                                                   int64_t v0, int tile_rows, int tile_cols,
+                                                   int pitch, int tid, int threads) {
   constexpr int kVector = 16 / int(sizeof(T));
-  const int threads = int(blockDim.x), tid = int(threadIdx.x);
   const int vectors = (tile_cols + kVector - 1) / kVector;
   const int col_threads = std::min(threads, vectors), row_threads = threads / col_threads;
   if (tid >= col_threads * row_threads) return;
@@ -142,26 +138,33 @@ __device__ __forceinline__ void stage_tiles_vectors(T* tiles, int tile_stride, i
   for (int j = tid % col_threads; j < vectors; j += col_threads) {
     const int64_t col = v0 + j * kVector;
     const bool inside = col >= 0 && col < width;  // whole vectors are inside or outside
-    for (int z = 0; z < planes; ++z) {
-      const T* src = source_of(z) + col;
-      T* dst = tiles + z * tile_stride + j * kVector;
-      for (int a0 = first_row; a0 < tile_rows; a0 += kInFlight * row_threads) {
-        uint4 v[kInFlight];
+    const T* src = source + col;
+    T* dst = tile + j * kVector;
+    for (int a0 = first_row; a0 < tile_rows; a0 += kInFlight * row_threads) {
+      uint4 v[kInFlight];
 #pragma unroll
-        for (int f = 0; f < kInFlight; ++f) {
-          const int a = a0 + f * row_threads, u = first_u + a;
-          v[f] = (a < tile_rows && unsigned(u) < unsigned(height) && inside)
-                     ? *reinterpret_cast<const uint4*>(src + int64_t(u) * width)
-                     : make_uint4(0, 0, 0, 0);
-        }
+      for (int f = 0; f < kInFlight; ++f) {
+        const int a = a0 + f * row_threads, u = first_u + a;
+        v[f] = (a < tile_rows && unsigned(u) < unsigned(height) && inside)
+                   ? *reinterpret_cast<const uint4*>(src + int64_t(u) * width)
+                   : make_uint4(0, 0, 0, 0);
+      }
 #pragma unroll
-        for (int f = 0; f < kInFlight; ++f) {
-          const int a = a0 + f * row_threads;
-          if (a < tile_rows) *reinterpret_cast<uint4*>(dst + a * pitch) = v[f];
-        }
+      for (int f = 0; f < kInFlight; ++f) {
+        const int a = a0 + f * row_threads;
+        if (a < tile_rows) *reinterpret_cast<uint4*>(dst + a * pitch) = v[f];
       }
     }
   }
+}
+
+// Splits the block's threads into `parts` equal groups (any rest idles) and has group z call
+// stage(z, its thread index, its thread count): the tiles of several planes are staged in
+// parallel, each thread's loads all for one plane.
+template <class F>
+__device__ __forceinline__ void split_block(int parts, const F& stage) {
+  const int threads = int(blockDim.x) / parts, part = int(threadIdx.x) / threads;
+  if (part < parts) stage(part, int(threadIdx.x) - part * threads, threads);
 }
 
 // The first output column of a stencil whose column tiles start at multiples of `vector` source
@@ -246,14 +249,12 @@ template <class T>
 __device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4],
                                             const uint32_t (&b)[2]) {
   if constexpr (std::is_same_v<T, bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
@@ -307,7 +308,7 @@ struct StencilGrid {
   int pitch, tile_stride;      // elements between tile rows, and between the planes' tiles
   int mt, nt, warps_per_plane;  // tensor-core kernel: a tile of mt x nt 16x8 outputs per plane
   int x_base;                  // first output column of the column tiles (in (-16, 0])
-  bool vector_source;          // stage_tiles_vectors applies (tile origins are vector-aligned)
+  bool vector_source;          // stage_tile_vectors applies (tile origins are vector-aligned)
   bool vector_out;             // output vectors (of 4; pairs for mma) are aligned
 
   // Source plane (n, g * in_per_group + i) of output plane (n, g * out_per_group + o); 32-bit
@@ -360,16 +361,16 @@ __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
 
     for (int i = 0; i < G.in_per_group; ++i) {
       __syncthreads();  // the previous tiles have been consumed
-      const auto source_of = [&](int zz) {
-        return source + G.source_plane(first_plane + zz, i) * source_plane;
-      };
-      const int planes = std::min(G.bz, int(G.planes) - first_plane);
-      if (G.vector_source)
-        stage_tiles_vectors<8>(tiles, G.tile_stride, planes, source_of, G.rows.source,
-                               G.cols.source, u0, v0, G.src_rows, G.src_cols, G.pitch);
-      else
-        stage_tiles<24, T, T>(tiles, G.tile_stride, planes, source_of, G.rows, G.cols, u0, v0,
-                              G.src_rows, G.src_cols, G.pitch);
+      split_block(std::min(G.bz, int(G.planes) - first_plane), [&](int zz, int tid, int threads) {
+        const T* src = source + G.source_plane(first_plane + zz, i) * source_plane;
+        T* tile_of = tiles + zz * G.tile_stride;
+        if (G.vector_source)
+          stage_tile_vectors<10>(tile_of, src, G.rows.source, G.cols.source, u0, v0, G.src_rows,
+                                 G.src_cols, G.pitch, tid, threads);
+        else
+          stage_tile<24, T>(tile_of, src, G.rows, G.cols, u0, v0, G.src_rows, G.src_cols,
+                            G.pitch, tid, threads);
+      });
       __syncthreads();
       if (live) {
         const T* w = weight + G.weights.offset(g, o, i, 0, 0);
@@ -428,6 +429,14 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
   const auto next_unit = [&](int& mi, int& ni) {
     for (ni += G.warps_per_plane; ni >= G.nt; ni -= G.nt) ++mi;
   };
+  // The warp's tiles and the offsets of their 16 x 16 windows in the plane's tile.
+  const int my_units = (G.mt * G.nt - wp + G.warps_per_plane - 1) / G.warps_per_plane;
+  int window[kMmaUnits];
+  {
+    int mi = wp / G.nt, ni = wp % G.nt;
+#pragma unroll
+    for (int k = 0; k < kMmaUnits; ++k, next_unit(mi, ni)) window[k] = 16 * mi * G.pitch + 8 * ni;
+  }
   const T* const lane_row = tiles + (slot ? z : 0) * G.tile_stride +
                             ((lane & 7) + 8 * ((lane >> 3) & 1)) * G.pitch + 8 * (lane >> 4);
   const int tiles_per_plane = int(G.tiles_x * G.tiles_y);
@@ -453,16 +462,16 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
 
     for (int i = 0; i < G.in_per_group; ++i) {
       __syncthreads();  // the previous tiles have been consumed
-      const auto source_of = [&](int zz) {
-        return source + G.source_plane(first_plane + zz, i) * source_plane;
-      };
-      const int planes = std::min(G.bz, int(G.planes) - first_plane);
-      if (G.vector_source)
-        stage_tiles_vectors<8>(tiles, G.tile_stride, planes, source_of, G.rows.source,
-                               G.cols.source, u0, v0, G.src_rows, G.src_cols, G.pitch);
-      else
-        stage_tiles<32, T, T>(tiles, G.tile_stride, planes, source_of, G.rows, G.cols, u0, v0,
-                              G.src_rows, G.src_cols, G.pitch);
+      split_block(std::min(G.bz, int(G.planes) - first_plane), [&](int zz, int tid, int threads) {
+        const T* src = source + G.source_plane(first_plane + zz, i) * source_plane;
+        T* tile_of = tiles + zz * G.tile_stride;
+        if (G.vector_source)
+          stage_tile_vectors<6>(tile_of, src, G.rows.source, G.cols.source, u0, v0, G.src_rows,
+                                G.src_cols, G.pitch, tid, threads);
+        else
+          stage_tile<32, T>(tile_of, src, G.rows, G.cols, u0, v0, G.src_rows, G.src_cols,
+                            G.pitch, tid, threads);
+      });
       __syncthreads();
       if (!live) continue;
       // B_r fragments: the lane holds B_r[k][g] = w[r][k - g] for k = 2q, 2q + 1, 2q + 8 and
@@ -486,17 +495,17 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
         bfrag[r][0] = pack_pair(b[0], b[1]);
         bfrag[r][1] = pack_pair(b[2], b[3]);
       }
-      int mi = wp / G.nt, ni = wp % G.nt;
+      // Per tap row, the fragments of all the warp's tiles are loaded before their products,
+      // which accumulate into independent tiles: loads and products overlap.
 #pragma unroll
-      for (int k = 0; k < kMmaUnits; ++k, next_unit(mi, ni)) {
-        if (mi >= G.mt) break;
-        const T* window = lane_row + 16 * mi * G.pitch + 8 * ni;
+      for (int r = 0; r < kTaps; ++r) {
+        uint32_t a[kMmaUnits][4];
 #pragma unroll
-        for (int r = 0; r < kTaps; ++r) {
-          uint32_t a[4];
-          load_fragment(a, window + r * G.pitch);
-          mma_16x8x16<T>(acc[k], a, bfrag[r]);
-        }
+        for (int k = 0; k < kMmaUnits; ++k)
+          if (k < my_units) load_fragment(a[k], lane_row + window[k] + r * G.pitch);
+#pragma unroll
+        for (int k = 0; k < kMmaUnits; ++k)
+          if (k < my_units) mma_16x8x16<T>(acc[k], a[k], bfrag[r]);
       }
     }
     if (live) {
@@ -504,7 +513,7 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
       int mi = wp / G.nt, ni = wp % G.nt;
 #pragma unroll
       for (int k = 0; k < kMmaUnits; ++k, next_unit(mi, ni)) {
-        if (mi >= G.mt) break;
+        if (k >= my_units) break;
         const int x = x0 + 8 * ni + 2 * q;
         const bool lo_inside = x >= 0 && x < G.cols.out;
         const bool hi_inside = x + 1 >= 0 && x + 1 < G.cols.out;
@@ -562,14 +571,15 @@ __global__ void __launch_bounds__(kMaxThreads)
 
     for (int64_t i = 0; i < G.in_per_group; ++i) {
       __syncthreads();  // the previous tiles have been consumed
-      const auto source_of = [&](int zz) {
-        const int64_t p = first_plane + zz, n = p / G.out_channels;
-        return source +
-               (n * G.in_channels + (p % G.out_channels / G.out_per_group) * G.in_per_group + i) *
-                   source_plane;
-      };
-      stage_tiles<8, A, T>(tiles, G.tile_stride, int(std::min<int64_t>(G.bz, G.planes - first_plane)),
-                        source_of, G.rows, G.cols, u0, v0, G.src_rows, G.src_cols, G.pitch);
+      split_block(int(std::min<int64_t>(G.bz, G.planes - first_plane)),
+                  [&](int zz, int tid, int threads) {
+                    const int64_t p = first_plane + zz, n = p / G.out_channels;
+                    const int64_t channel =
+                        n * G.in_channels + (p % G.out_channels / G.out_per_group) * G.in_per_group + i;
+                    stage_tile<8, A>(tiles + zz * G.tile_stride, source + channel * source_plane,
+                                     G.rows, G.cols, u0, v0, G.src_rows, G.src_cols, G.pitch, tid,
+                                     threads);
+                  });
       __syncthreads();
       if (live) {
         const T* w = weight + G.weights.offset(g, o, i, 0, 0);
@@ -701,7 +711,7 @@ bool fits_32_bits(const StencilGrid& G) {
          G.cols.out < INT_MAX;
 }
 
-// Whether a stencil's source rows are whole 16-byte vectors of T (stage_tiles_vectors applies
+// Whether a stencil's source rows are whole 16-byte vectors of T (stage_tile_vectors applies
 // when the source is also aligned).
 template <class T>
 bool vector_rows(const StencilGrid& G) {
@@ -930,7 +940,7 @@ struct WgradGrid {
   int src_rows, src_cols;      // strip kernel: the shared tile of x
   int pitch, tile_stride;      // strip kernel: elements between tile rows, and between tiles
   int x_base;                  // strip kernel: first column of the column tiles
-  bool vector_x;               // stage_tiles_vectors applies to x
+  bool vector_x;               // stage_tile_vectors applies to x
   bool vector_dy;              // dy: strip kernel, vectors of 4 aligned; mma, vectors staged
   int tile_rows, tile_cols;    // tensor-core kernel: the dy tile
   WgradMmaTiles mma;           // tensor-core kernel: its shared tiles
@@ -985,15 +995,17 @@ __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
           load_four(dy_rows + j * p.Q, q, inside ? p.Q : 0, G.vector_dy, d[j]);
         }
         __syncthreads();  // the previous tiles have been consumed
-        const auto x_plane = [&](int zz) { return x + ((n0 + zz) * p.C + channel) * p.H * p.W; };
-        const int images = int(std::min<int64_t>(G.bz, last - n0));
         const int64_t u0 = rows.position(y0, 0), v0 = cols.position(x0, 0);
-        if (G.vector_x)
-          stage_tiles_vectors<8>(tiles, G.tile_stride, images, x_plane, p.H, p.W, u0, v0,
-                                 G.src_rows, G.src_cols, G.pitch);
-        else
-          stage_tiles<24, T, T>(tiles, G.tile_stride, images, x_plane, rows, cols, u0, v0,
-                                G.src_rows, G.src_cols, G.pitch);
+        split_block(int(std::min<int64_t>(G.bz, last - n0)), [&](int zz, int tid, int threads) {
+          const T* x_plane = x + ((n0 + zz) * p.C + channel) * p.H * p.W;
+          T* tile_of = tiles + zz * G.tile_stride;
+          if (G.vector_x)
+            stage_tile_vectors<9>(tile_of, x_plane, p.H, p.W, u0, v0, G.src_rows, G.src_cols,
+                                  G.pitch, tid, threads);
+          else
+            stage_tile<24, T>(tile_of, x_plane, rows, cols, u0, v0, G.src_rows, G.src_cols,
+                              G.pitch, tid, threads);
+        });
         __syncthreads();
         if (live) {
           // Tile row dd is read by output row j through tap row dd - j.
@@ -1025,7 +1037,7 @@ __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
 // Block (slice, pair): its warps split the (v, x0) steps of every tile of every image of the
 // slice, then the warps' sums are added in order.
 template <class T, int kTaps>
-__global__ void __launch_bounds__(kMmaThreads, 8)
+__global__ void __launch_bounds__(kMmaThreads, 6)
     wgrad_mma_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                      float* __restrict__ partial, const WgradGrid G) {
   extern __shared__ __align__(16) unsigned char shared_memory[];
@@ -1053,7 +1065,9 @@ __global__ void __launch_bounds__(kMmaThreads, 8)
     const int64_t slice = b / G.pairs, pair = b % G.pairs;
     const int64_t k = pair / Cg, c = pair % Cg;
     const int64_t channel = (k / Kg) * Cg + c;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    // Even and odd steps of the warp accumulate apart (two independent product chains), added
+    // at the end.
+    float acc[2][4] = {};
     const int64_t first = slice * G.images, last = std::min(p.N, first + G.images);
     for (int64_t n = first; n < last; ++n) {
       for (int tile = 0; tile < tiles_per_plane; ++tile) {
@@ -1063,46 +1077,55 @@ __global__ void __launch_bounds__(kMmaThreads, 8)
         __syncthreads();  // the previous tiles have been consumed
         const T* x_plane = x + (n * p.C + channel) * p.H * p.W;
         const T* dy_rows_of_tile = dy + ((n * p.K + k) * p.P + y0) * p.Q;
-        const auto x_of = [&](int) { return x_plane; };
-        const auto dy_of = [&](int) { return dy_rows_of_tile; };
         // x from the 16-byte vector at or before the tile's first source column.
         const int64_t u0 = rows.position(y0, 0), v0 = cols.position(x0, 0);
         const int offset = int(floor_mod(v0, 8));
+        const int tid = int(threadIdx.x), threads = int(blockDim.x);
         if (G.vector_x)
-          stage_tiles_vectors<6>(x_tile, 0, 1, x_of, p.H, p.W, u0, v0 - offset,
-                                 tile_rows + kTaps - 1, M.x_cols, M.x_pitch);
+          stage_tile_vectors<6>(x_tile, x_plane, p.H, p.W, u0, v0 - offset, tile_rows + kTaps - 1,
+                                M.x_cols, M.x_pitch, tid, threads);
         else
-          stage_tiles<8, T, T>(x_tile, 0, 1, x_of, rows, cols, u0, v0 - offset,
-                                tile_rows + kTaps - 1, M.x_cols, M.x_pitch);
+          stage_tile<8, T>(x_tile, x_plane, rows, cols, u0, v0 - offset, tile_rows + kTaps - 1,
+                           M.x_cols, M.x_pitch, tid, threads);
         // The tile's dy rows, with kTaps - 1 zero rows above and zeros past its last row (the
         // neighbouring tiles' rows are theirs to count).
         if (G.vector_dy) {
-          stage_tiles_vectors<6>(dy_tile, 0, 1, dy_of, tile_rows, p.Q, -(kTaps - 1), x0,
-                                 M.dy_rows, G.tile_cols, M.dy_pitch);
+          stage_tile_vectors<6>(dy_tile, dy_rows_of_tile, tile_rows, p.Q, -(kTaps - 1), x0,
+                                M.dy_rows, G.tile_cols, M.dy_pitch, tid, threads);
         } else {
           const StencilAxis dy_rows{tile_rows, tile_rows, 1, 1, 1, 0, 1};
-          stage_tiles<8, T, T>(dy_tile, 0, 1, dy_of, dy_rows, dy_cols, -(kTaps - 1), x0,
-                                M.dy_rows, G.tile_cols, M.dy_pitch);
+          stage_tile<8, T>(dy_tile, dy_rows_of_tile, dy_rows, dy_cols, -(kTaps - 1), x0,
+                           M.dy_rows, G.tile_cols, M.dy_pitch, tid, threads);
         }
         __syncthreads();
         // Steps (v, x_step) = warp, warp + warps, ... in row-major order, walked without
         // divisions.
         const T* const b_tile = b_lane + offset;
-        for (int v = warp / col_steps, xs = warp % col_steps; v < tile_rows + kTaps - 1;) {
-          uint32_t a[4], bfrag[2];
-          load_fragment(a, a_lane + v * M.dy_pitch + 16 * xs);
-          const T* xb = b_tile + v * M.x_pitch + 16 * xs;
-          bfrag[0] = pack_pair(xb[0], xb[1]);
-          bfrag[1] = pack_pair(xb[8], xb[9]);
-          mma_16x8x16<T>(acc, a, bfrag);
-          for (xs += warps; xs >= col_steps; xs -= col_steps) ++v;
+        const int v_end = tile_rows + kTaps - 1;
+        for (int v = warp / col_steps, xs = warp % col_steps; v < v_end;) {
+          uint32_t a[2][4], bfrag[2][2];
+          bool live[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            live[e] = v < v_end;
+            if (live[e]) {
+              load_fragment(a[e], a_lane + v * M.dy_pitch + 16 * xs);
+              const T* xb = b_tile + v * M.x_pitch + 16 * xs;
+              bfrag[e][0] = pack_pair(xb[0], xb[1]);
+              bfrag[e][1] = pack_pair(xb[8], xb[9]);
+            }
+            for (xs += warps; xs >= col_steps; xs -= col_steps) ++v;
+          }
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (live[e]) mma_16x8x16<T>(acc[e], a[e], bfrag[e]);
         }
       }
     }
-    // The lane holds C[g][2q + e] in acc[e] (acc[2], acc[3]: rows g + 8, unused).
+    // The lane holds C[g][2q + e] in acc[.][e] (acc[.][2], acc[.][3]: rows g + 8, unused).
 #pragma unroll
     for (int e = 0; e < 2; ++e)
-      if (g < kTaps && 2 * q + e < kTaps) sums[warp][g * kTaps + 2 * q + e] = acc[e];
+      if (g < kTaps && 2 * q + e < kTaps) sums[warp][g * kTaps + 2 * q + e] = acc[0][e] + acc[1][e];
     __syncthreads();
     for (int t = threadIdx.x; t < kTaps * kTaps; t += blockDim.x) {
       float sum = sums[0][t];
