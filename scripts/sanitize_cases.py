@@ -58,9 +58,11 @@ for dtype in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64):
         jax.block_until_ready(jax.vmap(grad, (None, 0))(x, jnp.stack([grid, -grid])))
         no_points = lambda x: jnp.sum(jk.grid_sample(x, grid[:, :0]).astype(jnp.float32))
         jax.block_until_ready(jax.grad(no_points)(x))
-    # conv2d: the unrolled 7x7/5x5/3x3 stencils (7- and 8-row strips), the generic and the
-    # global-memory stencils, both weight-gradient kernels, the bias gradient, the tensor-core
-    # path where it takes the problem, per-example weights and an empty batch.
+    # conv2d: the unrolled 7x7/5x5/3x3 stencils (strip kernels, 7- and 8-row strips; tensor-core
+    # kernels for the half types; 16-byte vector and element staging; several column and row
+    # tiles), the generic and the global-memory stencils, every weight-gradient kernel, the bias
+    # gradient, the tensor-core path where it takes the problem, per-example weights and an
+    # empty batch.
     for x_shape, w_shape, options in (
             ((2, 4, 14, 14), (4, 1, 7, 7), dict(padding=3, groups=4)),
             ((1, 3, 16, 20), (6, 1, 5, 5), dict(padding=2, groups=3)),
@@ -68,7 +70,11 @@ for dtype in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64):
             ((2, 4, 13, 12), (8, 1, 3, 3), dict(stride=2, padding=1, groups=4)),
             ((2, 2, 11, 11), (4, 2, 5, 5), dict(stride=2, padding=2)),
             ((1, 2, 130, 130), (2, 1, 3, 3), dict(dilation=60, padding=1, groups=2)),
-            ((2, 16, 9, 9), (8, 16, 3, 3), dict(padding=1))):
+            ((2, 16, 9, 9), (8, 16, 3, 3), dict(padding=1)),
+            ((2, 4, 56, 56), (4, 1, 7, 7), dict(padding=3, groups=4)),
+            ((2, 3, 64, 72), (3, 1, 7, 7), dict(padding=3, groups=3)),
+            ((1, 2, 70, 136), (2, 1, 5, 5), dict(padding=2, groups=2)),
+            ((2, 4, 24, 24), (4, 1, 3, 3), dict(stride=2, padding=1, groups=4))):
         x, w, b = rand(*x_shape, dtype=dtype), rand(*w_shape, dtype=dtype), rand(w_shape[0], dtype=dtype)
         conv_grad = jax.grad(lambda x, w, b: jnp.sum(jk.conv2d(x, w, b, **options).astype(jnp.float32)),
                              argnums=(0, 1, 2))

@@ -3,19 +3,29 @@
 // which are correct for every problem (any groups, stride, dilation, padding, dtype) and fast for
 // depthwise and few-channels-per-group convolutions, where implicit GEMM idles the tensor cores:
 //
-// - Forward and dgrad are one stencil kernel (conv.h's StencilAxis: the dgrad is the stencil of
-//   dy upsampled by the stride, with flipped taps). A block stages a halo tile of a source plane
-//   in shared memory; each thread computes a vertical strip of outputs of one column, so each
-//   shared load serves several output rows. Unit-stride 3x3, 5x5 and 7x7 taps unroll with the
-//   weights in registers; other geometries take the same tile with run-time loops, or global
-//   memory when their tile would not fit.
+// - Forward and dgrad are one stencil (conv.h's StencilAxis: the dgrad is the stencil of dy
+//   upsampled by the stride, with flipped taps). A block stages halo tiles of a few source planes
+//   in shared memory. Unit-stride 3x3, 5x5 and 7x7 taps (the depthwise convolutions of real
+//   networks) take one of two unrolled kernels:
+//   * float32/float64, the strip kernel: each thread computes a register block of 7 or 8 rows x
+//     4 columns with the weights in registers, reading each tile row once as 16-byte vectors and
+//     reusing it for every tap and output that needs it.
+//   * float16/bfloat16, the tensor-core kernel: a row of taps is a banded (Toeplitz) 16x8 matrix,
+//     so 16 output rows x 8 columns are kTaps mma.sync m16n8k16 (f32 accumulation) of 16x16 tiles
+//     of the source read with ldmatrix. The products of half-type inputs are exact in float32.
+//   Other geometries take the same tiles with run-time loops, or global memory when their tile
+//   would not fit.
 // - Wgrad: for each (filter, channel) pair and fixed slice of images, a block reduces dy x x over
-//   the slice into R*S partial sums (registers, then a fixed shuffle tree) stored in the scratch
-//   buffer; a second kernel adds the slices in order. No atomics: bitwise reproducible.
+//   the slice into R*S partial sums stored in the scratch buffer; a second kernel adds the slices
+//   in order. No atomics: bitwise reproducible. Unit-stride 3x3/5x5/7x7 taps use the strip
+//   kernel's register blocks (float32/float64) or tensor cores (half types: taps x taps = sums
+//   over rows and columns of dy x shifted rows of x, an m16n8k16 product per 16 columns).
 // - Bias gradient: one block per (batch, filter), a fixed-order reduction.
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "conv_dense.h"
 #include "jax_kernels/conv.h"
@@ -32,8 +42,24 @@ constexpr int kSharedBytes = 40 * 1024;
 constexpr int kGenericRows = 4;            // output rows per thread off the unrolled paths
 constexpr int kGenericTaps = 16;           // weight-gradient taps per block off the unrolled paths
 constexpr int64_t kWgradBlocks = 1024;     // weight-gradient blocks aimed at (sets the slices)
+constexpr int kStripCols = 4;              // output columns per thread of the strip kernels
+constexpr int kMmaUnits = 8;               // 16x8 output tiles per warp of the tensor-core stencil
+constexpr int kMmaThreads = 128;           // threads per block of the tensor-core kernels
+constexpr int64_t kWgradMmaBlocks = 4096;  // tensor-core weight-gradient blocks aimed at
 
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+template <class T>
+constexpr bool is_half_type() {
+  return std::is_same_v<T, float16> || std::is_same_v<T, bfloat16>;
+}
+
+// Resident blocks per multiprocessor the strip kernels are compiled for: 2 allows 128 registers
+// per thread, which their float32 register blocks need without spilling (float64 takes twice).
+template <class T>
+constexpr int strip_blocks_per_sm() {
+  return sizeof(T) == 8 ? 1 : 2;
+}
 
 // StencilAxis::sample, with the common upsample == 1 case free of divisions.
 __device__ __forceinline__ int64_t sample_of(const StencilAxis& a, int64_t u) {
@@ -41,35 +67,208 @@ __device__ __forceinline__ int64_t sample_of(const StencilAxis& a, int64_t u) {
   return a.sample(u);
 }
 
-// Stages rows x cols elements of a source plane into `tile` (row-major): tile element (a, c)
-// is the upsampled source at (u0 + a, v0 + c), zero outside. Each thread issues kInFlight
-// independent loads before storing any of them, so that loads overlap instead of each waiting
-// for the one before.
-template <class T, class A>
-__device__ __forceinline__ void stage_tile(A* tile, const T* __restrict__ src,
+// Stages one tile of a source plane into shared memory with threads tid of `threads`: element
+// (a, c) of `tile` (row pitch `pitch`) is the upsampled source at (u0 + a, v0 + c), zero
+// outside, stored as S (the element type itself, or the accumulation type). The threads split
+// the columns (consecutive threads, consecutive columns: the loads coalesce and the stores hit
+// distinct banks) and walk rows, so the column tests are done once per thread; up to kInFlight
+// loads per thread are issued before any of their stores, so that a tile arrives in one memory
+// round trip where it can. Tile origins and extents fit in 32 bits.
+template <int kInFlight, class S, class T>
+__device__ __forceinline__ void stage_tile(S* tile, const T* __restrict__ source,
                                            const StencilAxis& rows, const StencilAxis& cols,
                                            int64_t u0, int64_t v0, int tile_rows, int tile_cols,
-                                           int tid, int threads) {
-  constexpr int kInFlight = 8;
-  const int size = tile_rows * tile_cols;
-  // Walk the tile without divisions: each step moves `threads` elements.
-  const int step_rows = threads / tile_cols, step_cols = threads % tile_cols;
-  int a = tid / tile_cols, c = tid % tile_cols;
-  for (int e0 = tid; e0 < size; e0 += kInFlight * threads) {
-    A v[kInFlight];
+                                           int pitch, int tid, int threads) {
+  const int col_threads = std::min(threads, tile_cols), row_threads = threads / col_threads;
+  if (tid >= col_threads * row_threads) return;
+  const int first_row = tid / col_threads;
+  const int height = int(rows.source), first_u = int(u0);
+  const auto stage = [&](auto rows_upsampled) {
+    // Upsampled rows (a strided dgrad) take one row at a time: the sample test divides.
+    constexpr int kBatch = decltype(rows_upsampled)::value ? 1 : kInFlight;
+    for (int c = tid % col_threads; c < tile_cols; c += col_threads) {
+      const int64_t col = sample_of(cols, v0 + c);
+      const T* src = source + col;
+      S* dst = tile + c;
+      for (int a0 = first_row; a0 < tile_rows; a0 += kBatch * row_threads) {
+        T v[kBatch];
 #pragma unroll
-    for (int k = 0; k < kInFlight; ++k) {
-      const int64_t row = sample_of(rows, u0 + a), col = sample_of(cols, v0 + c);
-      const bool inside = e0 + k * threads < size && row >= 0 && col >= 0;
-      v[k] = inside ? to_acc(src[row * cols.source + col]) : A(0);
-      a += step_rows;
-      c += step_cols;
-      if (c >= tile_cols) c -= tile_cols, ++a;
+        for (int f = 0; f < kBatch; ++f) {
+          const int a = a0 + f * row_threads, u = first_u + a;
+          int64_t row;
+          if constexpr (decltype(rows_upsampled)::value)
+            row = rows.sample(u);
+          else
+            row = unsigned(u) < unsigned(height) ? u : -1;
+          v[f] = (a < tile_rows && row >= 0 && col >= 0) ? src[row * cols.source] : T{};
+        }
+#pragma unroll
+        for (int f = 0; f < kBatch; ++f) {
+          const int a = a0 + f * row_threads;
+          if (a < tile_rows) {
+            if constexpr (std::is_same_v<S, T>)
+              dst[a * pitch] = v[f];
+            else
+              dst[a * pitch] = to_acc(v[f]);
+          }
+        }
+      }
     }
+  };
+  if (rows.upsample == 1)
+    stage(std::false_type{});
+  else
+    stage(std::true_type{});
+}
+
+// stage_tile for a source that is not upsampled, whose rows are whole 16-byte vectors (width a
+// multiple of the vector, 16-byte aligned planes), with v0 a multiple of the vector, stored as T:
+// one 16-byte load and store per vector (up to the tile columns rounded up to a vector, within
+// the pitch).
+template <int kInFlight, class T>
+__device__ __forceinline__ void stage_tile_vectors(T* tile, const T* __restrict__ source,
+                                                   int64_t height, int64_t width, int64_t u0,
+                                                   int64_t v0, int tile_rows, int tile_cols,
+                                                   int pitch, int tid, int threads) {
+  constexpr int kVector = 16 / int(sizeof(T));
+  const int vectors = (tile_cols + kVector - 1) / kVector;
+  const int col_threads = std::min(threads, vectors), row_threads = threads / col_threads;
+  if (tid >= col_threads * row_threads) return;
+  const int first_row = tid / col_threads, first_u = int(u0);
+  for (int j = tid % col_threads; j < vectors; j += col_threads) {
+    const int64_t col = v0 + j * kVector;
+    const bool inside = col >= 0 && col < width;  // whole vectors are inside or outside
+    const T* src = source + col;
+    T* dst = tile + j * kVector;
+    for (int a0 = first_row; a0 < tile_rows; a0 += kInFlight * row_threads) {
+      uint4 v[kInFlight];
 #pragma unroll
-    for (int k = 0; k < kInFlight; ++k)
-      if (e0 + k * threads < size) tile[e0 + k * threads] = v[k];
+      for (int f = 0; f < kInFlight; ++f) {
+        const int a = a0 + f * row_threads, u = first_u + a;
+        v[f] = (a < tile_rows && unsigned(u) < unsigned(height) && inside)
+                   ? *reinterpret_cast<const uint4*>(src + int64_t(u) * width)
+                   : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int f = 0; f < kInFlight; ++f) {
+        const int a = a0 + f * row_threads;
+        if (a < tile_rows) *reinterpret_cast<uint4*>(dst + a * pitch) = v[f];
+      }
+    }
   }
+}
+
+// Splits the block's threads into `parts` equal groups (any rest idles) and has group z call
+// stage(z, its thread index, its thread count): the tiles of several planes are staged in
+// parallel, each thread's loads all for one plane.
+template <class F>
+__device__ __forceinline__ void split_block(int parts, const F& stage) {
+  const int threads = int(blockDim.x) / parts, part = int(threadIdx.x) / threads;
+  if (part < parts) stage(part, int(threadIdx.x) - part * threads, threads);
+}
+
+// The first output column of a stencil whose column tiles start at multiples of `vector` source
+// columns: with source column x - pad read at output x, the columns start at x ≡ pad (mod
+// vector), the first of them in (-vector, 0].
+int aligned_column_base(int64_t pad, int vector) {
+  const int shift = int(floor_mod(pad, vector));
+  return shift == 0 ? 0 : shift - vector;
+}
+
+// Loads row[x .. x + 3] into v (zeros outside [0, width)), as one vector when `vector` (row + x
+// aligned to 4 elements) and all four are inside. T is float or double.
+template <class T>
+__device__ __forceinline__ void load_four(const T* row, int x, int64_t width, bool vector,
+                                          T (&v)[4]) {
+  if (vector && x >= 0 && x + 4 <= width) {
+    if constexpr (std::is_same_v<T, float>) {
+      const float4 q = *reinterpret_cast<const float4*>(row + x);
+      v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+    } else {
+      const double2 q0 = reinterpret_cast<const double2*>(row + x)[0];
+      const double2 q1 = reinterpret_cast<const double2*>(row + x)[1];
+      v[0] = q0.x, v[1] = q0.y, v[2] = q1.x, v[3] = q1.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = (x + i >= 0 && x + i < width) ? row[x + i] : T(0);
+  }
+}
+
+// Stores v at row[x .. x + 3] where inside [0, width), as one vector when `vector` and all four
+// are inside. T is float or double.
+template <class T>
+__device__ __forceinline__ void store_four(T* row, int x, int64_t width, bool vector,
+                                           const T (&v)[4]) {
+  if (vector && x >= 0 && x + 4 <= width) {
+    if constexpr (std::is_same_v<T, float>) {
+      *reinterpret_cast<float4*>(row + x) = make_float4(v[0], v[1], v[2], v[3]);
+    } else {
+      reinterpret_cast<double2*>(row + x)[0] = make_double2(v[0], v[1]);
+      reinterpret_cast<double2*>(row + x)[1] = make_double2(v[2], v[3]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (x + i >= 0 && x + i < width) row[x + i] = v[i];
+  }
+}
+
+// Tile columns a strip thread reads per tile row: its 4 outputs plus the taps' reach, rounded up
+// to whole 16-byte vectors of float.
+constexpr int strip_span(int taps) { return (kStripCols + taps - 1 + 3) / 4 * 4; }
+
+// Reads kSpan consecutive tile elements (16-byte aligned) as 16-byte vectors. A is float or
+// double.
+template <int kSpan, class A>
+__device__ __forceinline__ void load_span(const A* p, A (&v)[kSpan]) {
+  if constexpr (std::is_same_v<A, float>) {
+#pragma unroll
+    for (int q = 0; q < kSpan / 4; ++q) {
+      const float4 w = reinterpret_cast<const float4*>(p)[q];
+      v[4 * q] = w.x, v[4 * q + 1] = w.y, v[4 * q + 2] = w.z, v[4 * q + 3] = w.w;
+    }
+  } else {
+#pragma unroll
+    for (int q = 0; q < kSpan / 2; ++q) {
+      const double2 w = reinterpret_cast<const double2*>(p)[q];
+      v[2 * q] = w.x, v[2 * q + 1] = w.y;
+    }
+  }
+}
+
+// The raw bits of a half-type pair, `lo` in the low 16 bits (the layout of mma fragments).
+template <class T>
+__device__ __forceinline__ uint32_t pack_pair(T lo, T hi) {
+  return uint32_t(lo.bits) | (uint32_t(hi.bits) << 16);
+}
+
+// D += A * B for one m16n8k16 tile: A 16x16 (row-major fragment, 4 registers), B 16x8
+// (column-major fragment, 2 registers), float32 accumulation.
+template <class T>
+__device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4],
+                                            const uint32_t (&b)[2]) {
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+}
+
+// Loads a 16x16 A fragment of 16-bit elements from shared memory: lane l passes the address of
+// row (l & 7) + 8 * ((l >> 3) & 1), column 8 * (l >> 4) of the tile (16-byte aligned rows).
+__device__ __forceinline__ void load_fragment(uint32_t (&a)[4], const void* row) {
+  const unsigned address = unsigned(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(address)
+               : "memory");
 }
 
 // Sums v[t] over the block's threads in a fixed order (a shuffle tree within each warp, then
@@ -104,14 +303,242 @@ struct StencilGrid {
   int64_t planes;  // N * out_channels
   int64_t out_channels, in_channels, in_per_group, out_per_group;
   int64_t tiles_x, tiles_y, blocks;
-  int bx, by, bz;              // a tile: bx columns x by strips of rows; bz planes per block
+  int bx, by, bz;              // a tile: bx threads x by strips of rows; bz planes per block
   int src_rows, src_cols;      // the shared tile of one plane, in upsampled source positions
+  int pitch, tile_stride;      // elements between tile rows, and between the planes' tiles
+  int mt, nt, warps_per_plane;  // tensor-core kernel: a tile of mt x nt 16x8 outputs per plane
+  int x_base;                  // first output column of the column tiles (in (-16, 0])
+  bool vector_source;          // stage_tile_vectors applies (tile origins are vector-aligned)
+  bool vector_out;             // output vectors (of 4; pairs for mma) are aligned
+
+  // Source plane (n, g * in_per_group + i) of output plane (n, g * out_per_group + o); 32-bit
+  // (the unrolled kernels run with fewer than 2^31 planes).
+  __device__ int64_t source_plane(int plane, int i) const {
+    const int n = plane / int(out_channels), oc = plane % int(out_channels);
+    return int64_t(n) * in_channels + (oc / int(out_per_group)) * in_per_group + i;
+  }
 };
 
-// A block covers bz planes x one tile of (by * kRows) x bx outputs; thread (tx, ty) of a plane
-// computes rows ty * kRows .. + kRows - 1 of column tx. kTaps > 0: unit stride and dilation
-// with kTaps x kTaps taps, unrolled with the weights in registers.
+// The strip kernel (float32/float64; unit stride and dilation, kTaps x kTaps taps; upsampling
+// allowed). A block covers bz planes x one tile of (by * kRows) x (bx * 4) outputs; thread
+// (tx, ty) of a plane computes rows ty * kRows .. + kRows - 1 of columns 4 tx .. 4 tx + 3 with
+// the weights in registers. The block's threads stage all bz tiles together; column tiles start
+// at x_base so that their source columns start on a 16-byte vector.
 template <class T, int kTaps, int kRows>
+__global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
+    stencil_strip_kernel(const T* __restrict__ source, const T* __restrict__ weight,
+                         const T* __restrict__ bias, T* __restrict__ out, const StencilGrid G) {
+  constexpr int kSpan = strip_span(kTaps);
+  extern __shared__ __align__(16) unsigned char shared_memory[];
+  T* const tiles = reinterpret_cast<T*>(shared_memory);
+  const int plane_threads = G.bx * G.by;
+  const int z = threadIdx.x / plane_threads;
+  const int t = threadIdx.x - z * plane_threads;
+  const int tx = t % G.bx, ty = t / G.bx;
+  const bool slot = z < G.bz;  // threads beyond bz planes only round the block up to whole warps
+  const T* const strip =
+      tiles + (slot ? z : 0) * G.tile_stride + ty * kRows * G.pitch + tx * kStripCols;
+  const int tiles_per_plane = int(G.tiles_x * G.tiles_y);
+  const int64_t source_plane = G.rows.source * G.cols.source;
+  const int64_t out_plane = G.rows.out * G.cols.out;
+
+  for (int b = blockIdx.x; b < G.blocks; b += gridDim.x) {
+    const int first_plane = (b / tiles_per_plane) * G.bz;
+    const int plane = first_plane + z;
+    const bool live = slot && plane < G.planes;
+    const int tile = b % tiles_per_plane;
+    const int y0 = (tile / int(G.tiles_x)) * (G.by * kRows);
+    const int x0 = G.x_base + (tile % int(G.tiles_x)) * (G.bx * kStripCols);
+    const int64_t u0 = G.rows.position(y0, 0), v0 = G.cols.position(x0, 0);
+    const int oc = plane % int(G.out_channels);
+    const int g = oc / int(G.out_per_group), o = oc % int(G.out_per_group);
+    const T start = (live && bias != nullptr) ? bias[oc] : T(0);
+    T acc[kRows][kStripCols];
+#pragma unroll
+    for (int j = 0; j < kRows; ++j)
+#pragma unroll
+      for (int c = 0; c < kStripCols; ++c) acc[j][c] = start;
+
+    for (int i = 0; i < G.in_per_group; ++i) {
+      __syncthreads();  // the previous tiles have been consumed
+      split_block(std::min(G.bz, int(G.planes) - first_plane), [&](int zz, int tid, int threads) {
+        const T* src = source + G.source_plane(first_plane + zz, i) * source_plane;
+        T* tile_of = tiles + zz * G.tile_stride;
+        if (G.vector_source)
+          stage_tile_vectors<10>(tile_of, src, G.rows.source, G.cols.source, u0, v0, G.src_rows,
+                                 G.src_cols, G.pitch, tid, threads);
+        else
+          stage_tile<24, T>(tile_of, src, G.rows, G.cols, u0, v0, G.src_rows, G.src_cols,
+                            G.pitch, tid, threads);
+      });
+      __syncthreads();
+      if (live) {
+        const T* w = weight + G.weights.offset(g, o, i, 0, 0);
+        T wr[kTaps][kTaps];
+#pragma unroll
+        for (int r = 0; r < kTaps; ++r)
+#pragma unroll
+          for (int s = 0; s < kTaps; ++s) wr[r][s] = w[r * G.weights.row + s * G.weights.col];
+        // Tile row d is read by output row j through tap row d - j.
+#pragma unroll
+        for (int d = 0; d < kRows + kTaps - 1; ++d) {
+          T v[kSpan];
+          load_span(strip + d * G.pitch, v);
+#pragma unroll
+          for (int r = 0; r < kTaps; ++r) {
+            const int j = d - r;
+            if (j < 0 || j >= kRows) continue;
+#pragma unroll
+            for (int s = 0; s < kTaps; ++s)
+#pragma unroll
+              for (int c = 0; c < kStripCols; ++c) acc[j][c] += wr[r][s] * v[c + s];
+          }
+        }
+      }
+    }
+    if (live) {
+      const int x = x0 + tx * kStripCols;
+      T* dst = out + plane * out_plane;
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        const int y = y0 + ty * kRows + j;
+        if (y < G.rows.out) store_four(dst + int64_t(y) * G.cols.out, x, G.cols.out, G.vector_out, acc[j]);
+      }
+    }
+  }
+}
+
+// The tensor-core stencil (float16/bfloat16; unit stride and dilation, kTaps x kTaps taps,
+// kTaps <= 9; upsampling allowed). With tile element A[m][k] = source at output row m + r,
+// output column k of a 16 x 16 window, tap row r is B_r[k][n] = w[r][k - n] (zero outside the
+// taps), and the 16 x 8 outputs of the window are sum_r A_r B_r: kTaps m16n8k16 products. A
+// block covers bz planes x one tile of (16 * mt) x (8 * nt) outputs, staged raw in shared
+// memory (column tiles start at x_base so that their windows start on 16-byte vectors of the
+// source); warp wp of a plane owns its 16x8 outputs wp, wp + warps_per_plane, ...
+template <class T, int kTaps>
+__global__ void __launch_bounds__(kMmaThreads, 4)
+    stencil_mma_kernel(const T* __restrict__ source, const T* __restrict__ weight,
+                       const T* __restrict__ bias, T* __restrict__ out, const StencilGrid G) {
+  extern __shared__ __align__(16) unsigned char shared_memory[];
+  T* const tiles = reinterpret_cast<T*>(shared_memory);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, q = lane & 3;  // the fragment row group and column pair of the lane
+  const int z = warp / G.warps_per_plane, wp = warp - z * G.warps_per_plane;
+  const bool slot = z < G.bz;
+  // Output tile u = wp + k * warps_per_plane is (u / nt, u % nt): walked without divisions.
+  const auto next_unit = [&](int& mi, int& ni) {
+    for (ni += G.warps_per_plane; ni >= G.nt; ni -= G.nt) ++mi;
+  };
+  // The warp's tiles and the offsets of their 16 x 16 windows in the plane's tile.
+  const int my_units = (G.mt * G.nt - wp + G.warps_per_plane - 1) / G.warps_per_plane;
+  int window[kMmaUnits];
+  {
+    int mi = wp / G.nt, ni = wp % G.nt;
+#pragma unroll
+    for (int k = 0; k < kMmaUnits; ++k, next_unit(mi, ni)) window[k] = 16 * mi * G.pitch + 8 * ni;
+  }
+  const T* const lane_row = tiles + (slot ? z : 0) * G.tile_stride +
+                            ((lane & 7) + 8 * ((lane >> 3) & 1)) * G.pitch + 8 * (lane >> 4);
+  const int tiles_per_plane = int(G.tiles_x * G.tiles_y);
+  const int64_t source_plane = G.rows.source * G.cols.source;
+  const int64_t out_plane = G.rows.out * G.cols.out;
+
+  for (int b = blockIdx.x; b < G.blocks; b += gridDim.x) {
+    const int first_plane = (b / tiles_per_plane) * G.bz;
+    const int plane = first_plane + z;
+    const bool live = slot && plane < G.planes;
+    const int tile = b % tiles_per_plane;
+    const int y0 = (tile / int(G.tiles_x)) * 16 * G.mt;
+    const int x0 = G.x_base + (tile % int(G.tiles_x)) * 8 * G.nt;
+    const int64_t u0 = G.rows.position(y0, 0), v0 = G.cols.position(x0, 0);
+    const int oc = plane % int(G.out_channels);
+    const int grp = oc / int(G.out_per_group), o = oc % int(G.out_per_group);
+    const float start = (live && bias != nullptr) ? to_acc(bias[oc]) : 0.f;
+    float acc[kMmaUnits][4];
+#pragma unroll
+    for (int k = 0; k < kMmaUnits; ++k)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[k][e] = start;
+
+    for (int i = 0; i < G.in_per_group; ++i) {
+      __syncthreads();  // the previous tiles have been consumed
+      split_block(std::min(G.bz, int(G.planes) - first_plane), [&](int zz, int tid, int threads) {
+        const T* src = source + G.source_plane(first_plane + zz, i) * source_plane;
+        T* tile_of = tiles + zz * G.tile_stride;
+        if (G.vector_source)
+          stage_tile_vectors<6>(tile_of, src, G.rows.source, G.cols.source, u0, v0, G.src_rows,
+                                G.src_cols, G.pitch, tid, threads);
+        else
+          stage_tile<32, T>(tile_of, src, G.rows, G.cols, u0, v0, G.src_rows, G.src_cols,
+                            G.pitch, tid, threads);
+      });
+      __syncthreads();
+      if (!live) continue;
+      // B_r fragments: the lane holds B_r[k][g] = w[r][k - g] for k = 2q, 2q + 1, 2q + 8 and
+      // 2q + 9 (zero outside the taps).
+      const T* w = weight + G.weights.offset(grp, o, i, 0, 0);
+      int64_t tap[4];
+      bool in_taps[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int s = 2 * q + 8 * (e >> 1) + (e & 1) - g;
+        in_taps[e] = s >= 0 && s < kTaps;
+        tap[e] = s * G.weights.col;
+      }
+      uint32_t bfrag[kTaps][2];
+#pragma unroll
+      for (int r = 0; r < kTaps; ++r) {
+        const T* taps = w + r * G.weights.row;
+        T b[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) b[e] = in_taps[e] ? taps[tap[e]] : T{};
+        bfrag[r][0] = pack_pair(b[0], b[1]);
+        bfrag[r][1] = pack_pair(b[2], b[3]);
+      }
+      // Per tap row, the fragments of all the warp's tiles are loaded before their products,
+      // which accumulate into independent tiles: loads and products overlap.
+#pragma unroll
+      for (int r = 0; r < kTaps; ++r) {
+        uint32_t a[kMmaUnits][4];
+#pragma unroll
+        for (int k = 0; k < kMmaUnits; ++k)
+          if (k < my_units) load_fragment(a[k], lane_row + window[k] + r * G.pitch);
+#pragma unroll
+        for (int k = 0; k < kMmaUnits; ++k)
+          if (k < my_units) mma_16x8x16<T>(acc[k], a[k], bfrag[r]);
+      }
+    }
+    if (live) {
+      // The lane holds outputs (g, 2q + e) in acc[k][e] and (g + 8, 2q + e) in acc[k][2 + e].
+      int mi = wp / G.nt, ni = wp % G.nt;
+#pragma unroll
+      for (int k = 0; k < kMmaUnits; ++k, next_unit(mi, ni)) {
+        if (k >= my_units) break;
+        const int x = x0 + 8 * ni + 2 * q;
+        const bool lo_inside = x >= 0 && x < G.cols.out;
+        const bool hi_inside = x + 1 >= 0 && x + 1 < G.cols.out;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int y = y0 + 16 * mi + g + 8 * h;
+          if (y >= G.rows.out) continue;
+          T* dst = out + plane * out_plane + int64_t(y) * G.cols.out + x;
+          const T lo = from_acc<T>(acc[k][2 * h]), hi = from_acc<T>(acc[k][2 * h + 1]);
+          if (G.vector_out && lo_inside && hi_inside) {
+            *reinterpret_cast<uint32_t*>(dst) = pack_pair(lo, hi);
+          } else {
+            if (lo_inside) dst[0] = lo;
+            if (hi_inside) dst[1] = hi;
+          }
+        }
+      }
+    }
+  }
+}
+
+// Any geometry: a block covers bz planes x one tile of (by * kRows) x bx outputs; thread
+// (tx, ty) of a plane computes rows ty * kRows .. + kRows - 1 of column tx, with run-time loops
+// over the taps.
+template <class T, int kRows>
 __global__ void __launch_bounds__(kMaxThreads)
     stencil_kernel(const T* __restrict__ source, const T* __restrict__ weight,
                    const T* __restrict__ bias, T* __restrict__ out, const StencilGrid G) {
@@ -122,18 +549,19 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int tid = threadIdx.x - z * plane_threads;
   const int tx = tid % G.bx, ty = tid / G.bx;
   const bool slot = z < G.bz;  // threads beyond bz planes only round the block up to whole warps
-  const int tile_size = G.src_rows * G.src_cols;
-  A* tile = reinterpret_cast<A*>(shared_memory) + (slot ? z : 0) * tile_size;
-  const int64_t tiles = G.tiles_x * G.tiles_y;
+  A* const tiles = reinterpret_cast<A*>(shared_memory);
+  const A* tile = tiles + (slot ? z : 0) * G.tile_stride;
+  const int64_t tiles_per_plane = G.tiles_x * G.tiles_y;
   const int64_t source_plane = G.rows.source * G.cols.source;
   const int64_t out_plane = G.rows.out * G.cols.out;
 
   for (int64_t b = blockIdx.x; b < G.blocks; b += gridDim.x) {
-    const int64_t plane = (b / tiles) * G.bz + z;
+    const int64_t first_plane = (b / tiles_per_plane) * G.bz;
+    const int64_t plane = first_plane + z;
     const bool live = slot && plane < G.planes;
-    const int64_t t = b % tiles;
+    const int64_t t = b % tiles_per_plane;
     const int64_t y0 = (t / G.tiles_x) * (int64_t(G.by) * kRows), x0 = (t % G.tiles_x) * G.bx;
-    const int64_t n = plane / G.out_channels, oc = plane % G.out_channels;
+    const int64_t oc = plane % G.out_channels;
     const int64_t g = oc / G.out_per_group, o = oc % G.out_per_group;
     const int64_t u0 = G.rows.position(y0, 0), v0 = G.cols.position(x0, 0);
     const A start = (live && bias != nullptr) ? to_acc(bias[oc]) : A(0);
@@ -142,43 +570,29 @@ __global__ void __launch_bounds__(kMaxThreads)
     for (int j = 0; j < kRows; ++j) acc[j] = start;
 
     for (int64_t i = 0; i < G.in_per_group; ++i) {
-      __syncthreads();  // the previous tile has been consumed
-      if (live)
-        stage_tile(tile, source + (n * G.in_channels + g * G.in_per_group + i) * source_plane,
-                   G.rows, G.cols, u0, v0, G.src_rows, G.src_cols, tid, plane_threads);
+      __syncthreads();  // the previous tiles have been consumed
+      split_block(int(std::min<int64_t>(G.bz, G.planes - first_plane)),
+                  [&](int zz, int tid, int threads) {
+                    const int64_t p = first_plane + zz, n = p / G.out_channels;
+                    const int64_t channel =
+                        n * G.in_channels + (p % G.out_channels / G.out_per_group) * G.in_per_group + i;
+                    stage_tile<8, A>(tiles + zz * G.tile_stride, source + channel * source_plane,
+                                     G.rows, G.cols, u0, v0, G.src_rows, G.src_cols, G.pitch, tid,
+                                     threads);
+                  });
       __syncthreads();
       if (live) {
         const T* w = weight + G.weights.offset(g, o, i, 0, 0);
-        if constexpr (kTaps > 0) {
-          A wr[kTaps][kTaps];
+        const int R = int(G.rows.taps), S = int(G.cols.taps);
+        for (int r = 0; r < R; ++r)
+          for (int s = 0; s < S; ++s) {
+            const A wv = to_acc(w[r * G.weights.row + s * G.weights.col]);
+            const A* column = tile + int(r * G.rows.dilation) * G.pitch +
+                              int(tx * G.cols.stride + s * G.cols.dilation);
 #pragma unroll
-          for (int r = 0; r < kTaps; ++r)
-#pragma unroll
-            for (int s = 0; s < kTaps; ++s)
-              wr[r][s] = to_acc(w[r * G.weights.row + s * G.weights.col]);
-          const A* column = tile + ty * kRows * G.src_cols + tx;
-          // Tile row d is read by output row j through tap d - j.
-#pragma unroll
-          for (int d = 0; d < kRows + kTaps - 1; ++d)
-#pragma unroll
-            for (int s = 0; s < kTaps; ++s) {
-              const A v = column[d * G.src_cols + s];
-#pragma unroll
-              for (int j = 0; j < kRows; ++j)
-                if (d - j >= 0 && d - j < kTaps) acc[j] += wr[d - j][s] * v;
-            }
-        } else {
-          const int R = int(G.rows.taps), S = int(G.cols.taps);
-          for (int r = 0; r < R; ++r)
-            for (int s = 0; s < S; ++s) {
-              const A wv = to_acc(w[r * G.weights.row + s * G.weights.col]);
-              const A* column = tile + int(r * G.rows.dilation) * G.src_cols +
-                                int(tx * G.cols.stride + s * G.cols.dilation);
-#pragma unroll
-              for (int j = 0; j < kRows; ++j)
-                acc[j] += wv * column[int((ty * kRows + j) * G.rows.stride) * G.src_cols];
-            }
-        }
+            for (int j = 0; j < kRows; ++j)
+              acc[j] += wv * column[int((ty * kRows + j) * G.rows.stride) * G.pitch];
+          }
       }
     }
     if (live) {
@@ -226,17 +640,20 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
-// Tile sizes of a stencil or weight-gradient pass: bx columns (at most 64, balanced over the
-// column tiles) x by strips of `rows_per_thread` rows, at most kMaxThreads threads.
+// Tile sizes of a stencil or weight-gradient pass: bx threads of `cols_per_thread` columns (at
+// most 64 columns, balanced over the column tiles) x by strips of `rows_per_thread` rows, at most
+// kMaxThreads threads.
 struct TileShape {
   int bx, by;
   int64_t tiles_x, tiles_y;
 };
 
-TileShape choose_tile(int64_t out_rows, int64_t out_cols, int rows_per_thread, int max_by) {
+TileShape choose_tile(int64_t out_rows, int64_t out_cols, int rows_per_thread,
+                      int cols_per_thread, int max_by) {
   TileShape t;
-  t.tiles_x = ceil_div(std::max<int64_t>(out_cols, 1), 64);
-  t.bx = int(ceil_div(std::max<int64_t>(out_cols, 1), t.tiles_x));
+  const int64_t thread_cols = ceil_div(std::max<int64_t>(out_cols, 1), cols_per_thread);
+  t.tiles_x = ceil_div(thread_cols, 64 / cols_per_thread);
+  t.bx = int(ceil_div(thread_cols, t.tiles_x));
   const int64_t strips = ceil_div(std::max<int64_t>(out_rows, 1), rows_per_thread);
   const int64_t by_max = std::max<int64_t>(1, std::min<int64_t>(max_by, kMaxThreads / t.bx));
   t.tiles_y = ceil_div(strips, by_max);
@@ -252,23 +669,128 @@ int unrolled_taps(const StencilAxis& rows, const StencilAxis& cols) {
   return int(rows.taps);
 }
 
-// Of the strip heights 7 and 8, the one that computes fewer rows beyond the output (7 fits the
-// 56/28/14/7 planes of ImageNet networks, 8 the powers of two).
+// Of the strip heights 7 and 8, the one that computes fewer rows beyond the output, 7 on a tie
+// (7 fits the 56/28/14/7 planes of ImageNet networks, 8 the powers of two).
 int strip_rows(int64_t out_rows, int64_t out_cols) {
   const auto computed = [&](int rows) {
-    const TileShape t = choose_tile(out_rows, out_cols, rows, kMaxThreads);
+    const TileShape t = choose_tile(out_rows, out_cols, rows, kStripCols, kMaxThreads);
     return t.tiles_y * t.by * rows;
   };
-  return computed(7) < computed(8) ? 7 : 8;
+  return computed(7) <= computed(8) ? 7 : 8;
+}
+
+// The shared tile of a strip kernel: its row pitch and the stride between tiles, in elements.
+// Thread t = ty * bx + tx of a plane reads 16-byte vector ty * rows * pitch / 4 + tx (+ the same
+// for all) of its tile; with rows * pitch / 4 = bx and stride / 4 = bx * by (mod 8), each group
+// of 8 consecutive threads hits 8 different groups of 4 banks: the reads are conflict-free.
+struct StripTile {
+  int rows, cols, pitch, stride;
+};
+
+StripTile strip_tile(int bx, int by, int rows, int taps) {
+  StripTile s;
+  s.rows = by * rows + taps - 1;
+  s.cols = bx * kStripCols + taps - 1;
+  const int min_pitch = std::max(s.cols, (bx - 1) * kStripCols + strip_span(taps));
+  const auto fit = [](int min_elements, int product, int target) {
+    const int first = int(ceil_div(min_elements, 4));
+    for (int p = first; p < first + 8; ++p)
+      if ((product * p - target) % 8 == 0) return 4 * p;
+    return 4 * first;
+  };
+  s.pitch = fit(min_pitch, rows, bx);
+  s.stride = fit(s.rows * s.pitch, 1, bx * by);
+  return s;
+}
+
+bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// The unrolled kernels index planes and blocks in 32 bits.
+bool fits_32_bits(const StencilGrid& G) {
+  return G.planes < INT_MAX && G.blocks < INT_MAX && G.rows.out < INT_MAX &&
+         G.cols.out < INT_MAX;
+}
+
+// Whether a stencil's source rows are whole 16-byte vectors of T (stage_tile_vectors applies
+// when the source is also aligned).
+template <class T>
+bool vector_rows(const StencilGrid& G) {
+  return G.rows.upsample == 1 && G.cols.upsample == 1 &&
+         G.cols.source % (16 / int64_t(sizeof(T))) == 0;
+}
+
+// Fills G's tile for the strip kernel; false when no tile fits in shared memory.
+template <class T>
+bool plan_stencil_strips(StencilGrid& G, const T* source, const T* out, int taps, int rows) {
+  G.x_base = vector_rows<T>(G) ? aligned_column_base(G.cols.pad, 16 / int(sizeof(T))) : 0;
+  G.vector_source = vector_rows<T>(G) && aligned_to(source, 16);
+  G.vector_out = G.x_base % 4 == 0 && G.cols.out % 4 == 0 && aligned_to(out, 4 * sizeof(T));
+  for (int max_by = kMaxThreads; max_by >= 1; max_by /= 2) {
+    const TileShape t = choose_tile(G.rows.out, G.cols.out - G.x_base, rows, kStripCols, max_by);
+    const StripTile s = strip_tile(t.bx, t.by, rows, taps);
+    const int64_t tile_bytes = int64_t(s.stride) * int64_t(sizeof(T));
+    if (tile_bytes > kSharedBytes) continue;
+    G.bx = t.bx;
+    G.by = t.by;
+    G.tiles_x = t.tiles_x;
+    G.tiles_y = t.tiles_y;
+    G.src_rows = s.rows;
+    G.src_cols = s.cols;
+    G.pitch = s.pitch;
+    G.tile_stride = s.stride;
+    // Several planes per block, up to kMaxThreads threads.
+    G.bz = int(std::clamp<int64_t>(kMaxThreads / (t.bx * t.by), 1,
+                                   std::min<int64_t>(G.planes, kSharedBytes / tile_bytes)));
+    G.blocks = ceil_div(G.planes, G.bz) * G.tiles_x * G.tiles_y;
+    return fits_32_bits(G);
+  }
+  return false;
+}
+
+// Fills G's tile for the tensor-core kernel: up to 64 x 64 outputs per plane (4 x 8 tiles of
+// 16 x 8); false when it does not fit.
+template <class T>
+bool plan_stencil_mma(StencilGrid& G, const T* source, const T* out, int taps) {
+  G.x_base = vector_rows<T>(G) ? aligned_column_base(G.cols.pad, 8) : 0;
+  G.vector_source = vector_rows<T>(G) && aligned_to(source, 16);
+  G.vector_out = G.x_base % 2 == 0 && G.cols.out % 2 == 0 && aligned_to(out, 2 * sizeof(T));
+  const int64_t cols = G.cols.out - G.x_base;
+  G.mt = int(std::min<int64_t>(ceil_div(G.rows.out, 16), 4));
+  G.nt = int(std::min<int64_t>(ceil_div(cols, 8), 8));
+  G.tiles_y = ceil_div(G.rows.out, 16 * G.mt);
+  G.tiles_x = ceil_div(cols, 8 * G.nt);
+  G.src_rows = 16 * G.mt + taps - 1;
+  G.src_cols = 8 * G.nt + 8;  // a 16-column window starts at every 8th output column
+  // Rows 16-byte aligned, and pitch / 8 odd: the 8 rows of each ldmatrix hit 8 different
+  // groups of 4 banks.
+  G.pitch = int(round_up(G.src_cols, 8));
+  if (G.pitch % 16 == 0) G.pitch += 8;
+  G.tile_stride = G.src_rows * G.pitch;
+  G.warps_per_plane = int(ceil_div(G.mt * G.nt, kMmaUnits));
+  const int64_t tile_bytes = int64_t(G.tile_stride) * int64_t(sizeof(T));
+  G.bz = int(std::clamp<int64_t>(kMmaThreads / (32 * G.warps_per_plane), 1,
+                                 std::min<int64_t>(G.planes, kSharedBytes / tile_bytes)));
+  G.blocks = ceil_div(G.planes, G.bz) * G.tiles_x * G.tiles_y;
+  return tile_bytes <= kSharedBytes && fits_32_bits(G);
 }
 
 template <class T, int kTaps, int kRows>
-void launch_stencil_kernel(cudaStream_t stream, const T* source, const T* weight, const T* bias,
-                           T* out, const StencilGrid& G, size_t shared) {
+void launch_stencil_strips(cudaStream_t stream, const T* source, const T* weight, const T* bias,
+                           T* out, const StencilGrid& G) {
   const int threads = int(round_up(int64_t(G.bx) * G.by * G.bz, 32));
   const unsigned blocks = unsigned(std::min<int64_t>(G.blocks, int64_t(1) << 30));
-  stencil_kernel<T, kTaps, kRows>
+  const size_t shared = size_t(G.bz) * size_t(G.tile_stride) * sizeof(T);
+  stencil_strip_kernel<T, kTaps, kRows>
       <<<blocks, threads, shared, stream>>>(source, weight, bias, out, G);
+}
+
+template <class T, int kTaps>
+void launch_stencil_mma(cudaStream_t stream, const T* source, const T* weight, const T* bias,
+                        T* out, const StencilGrid& G) {
+  const int threads = 32 * G.warps_per_plane * G.bz;
+  const unsigned blocks = unsigned(std::min<int64_t>(G.blocks, int64_t(1) << 30));
+  const size_t shared = size_t(G.bz) * size_t(G.tile_stride) * sizeof(T);
+  stencil_mma_kernel<T, kTaps><<<blocks, threads, shared, stream>>>(source, weight, bias, out, G);
 }
 
 template <class T>
@@ -277,38 +799,53 @@ ffi::Error run_stencil(cudaStream_t stream, const char* op, const T* source, con
   using A = acc_t<T>;
   if (G.planes * G.rows.out * G.cols.out == 0) return ffi::Error::Success();
   const int taps = unrolled_taps(G.rows, G.cols);
-  const int rows = taps > 0 ? strip_rows(G.rows.out, G.cols.out) : kGenericRows;
+  if constexpr (is_half_type<T>()) {
+    if (taps > 0 && plan_stencil_mma(G, source, out, taps)) {
+      if (taps == 3) launch_stencil_mma<T, 3>(stream, source, weight, bias, out, G);
+      if (taps == 5) launch_stencil_mma<T, 5>(stream, source, weight, bias, out, G);
+      if (taps == 7) launch_stencil_mma<T, 7>(stream, source, weight, bias, out, G);
+      return launch_status(op);
+    }
+  } else {
+    const int rows = taps > 0 ? strip_rows(G.rows.out, G.cols.out) : 0;
+    if (taps > 0 && plan_stencil_strips(G, source, out, taps, rows)) {
+      if (rows == 7) {
+        if (taps == 3) launch_stencil_strips<T, 3, 7>(stream, source, weight, bias, out, G);
+        if (taps == 5) launch_stencil_strips<T, 5, 7>(stream, source, weight, bias, out, G);
+        if (taps == 7) launch_stencil_strips<T, 7, 7>(stream, source, weight, bias, out, G);
+      } else {
+        if (taps == 3) launch_stencil_strips<T, 3, 8>(stream, source, weight, bias, out, G);
+        if (taps == 5) launch_stencil_strips<T, 5, 8>(stream, source, weight, bias, out, G);
+        if (taps == 7) launch_stencil_strips<T, 7, 8>(stream, source, weight, bias, out, G);
+      }
+      return launch_status(op);
+    }
+  }
   // Shrink the strips per tile until the shared tile fits.
   for (int max_by = kMaxThreads; max_by >= 1; max_by /= 2) {
-    const TileShape t = choose_tile(G.rows.out, G.cols.out, rows, max_by);
-    G.bx = t.bx;
-    G.by = t.by;
-    G.tiles_x = t.tiles_x;
-    G.tiles_y = t.tiles_y;
-    const int64_t src_rows =
-        (int64_t(t.by) * rows - 1) * G.rows.stride + (G.rows.taps - 1) * G.rows.dilation + 1;
+    const TileShape t = choose_tile(G.rows.out, G.cols.out, kGenericRows, 1, max_by);
+    const int64_t src_rows = (int64_t(t.by) * kGenericRows - 1) * G.rows.stride +
+                             (G.rows.taps - 1) * G.rows.dilation + 1;
     const int64_t src_cols =
         (int64_t(t.bx) - 1) * G.cols.stride + (G.cols.taps - 1) * G.cols.dilation + 1;
     const int64_t tile_bytes = src_rows * src_cols * int64_t(sizeof(A));
     if (tile_bytes > kSharedBytes) continue;
+    G.bx = t.bx;
+    G.by = t.by;
+    G.tiles_x = t.tiles_x;
+    G.tiles_y = t.tiles_y;
     G.src_rows = int(src_rows);
     G.src_cols = int(src_cols);
+    G.pitch = G.src_cols;
+    G.tile_stride = G.src_rows * G.src_cols;
     // Small tiles: several planes per block, so that blocks have at least 128 threads.
     G.bz = int(std::clamp<int64_t>(128 / (int64_t(t.bx) * t.by), 1,
                                    std::min<int64_t>(G.planes, kSharedBytes / tile_bytes)));
     G.blocks = ceil_div(G.planes, G.bz) * G.tiles_x * G.tiles_y;
-    const size_t shared = size_t(G.bz) * size_t(tile_bytes);
-    if (taps == 0) {
-      launch_stencil_kernel<T, 0, kGenericRows>(stream, source, weight, bias, out, G, shared);
-    } else if (rows == 7) {
-      if (taps == 3) launch_stencil_kernel<T, 3, 7>(stream, source, weight, bias, out, G, shared);
-      if (taps == 5) launch_stencil_kernel<T, 5, 7>(stream, source, weight, bias, out, G, shared);
-      if (taps == 7) launch_stencil_kernel<T, 7, 7>(stream, source, weight, bias, out, G, shared);
-    } else {
-      if (taps == 3) launch_stencil_kernel<T, 3, 8>(stream, source, weight, bias, out, G, shared);
-      if (taps == 5) launch_stencil_kernel<T, 5, 8>(stream, source, weight, bias, out, G, shared);
-      if (taps == 7) launch_stencil_kernel<T, 7, 8>(stream, source, weight, bias, out, G, shared);
-    }
+    const int threads = int(round_up(int64_t(G.bx) * G.by * G.bz, 32));
+    const unsigned blocks = unsigned(std::min<int64_t>(G.blocks, int64_t(1) << 30));
+    stencil_kernel<T, kGenericRows><<<blocks, threads, size_t(G.bz) * size_t(tile_bytes), stream>>>(
+        source, weight, bias, out, G);
     return launch_status(op);
   }
   const unsigned blocks = grid_blocks(G.planes * G.rows.out * G.cols.out, kMaxThreads);
@@ -318,23 +855,80 @@ ffi::Error run_stencil(cudaStream_t stream, const char* op, const T* source, con
 
 // ---- Backward weight: partial sums per slice of images, then the slices in order ---------------
 
-// Images per slice: fixed by the problem's shape (never by the device), so that the sums are
-// the same run to run.
-struct WgradSlices {
-  int64_t count, images;
+// The weight gradient's kernel and slices of images. Fixed by the problem's shape and dtype
+// (never by the device), so that the sums are the same run to run.
+enum class WgradKernel { kGeneric, kStrips, kMma };
+
+struct WgradPlan {
+  WgradKernel kernel;
+  int taps, rows;          // unrolled taps; strip height of the strip kernel
+  TileShape tile;          // strip kernel: its tile; tensor-core kernel: tiles_x/y only
+  StripTile strip;
+  int x_base;              // strip kernel: first column of the column tiles (see StencilGrid)
+  int tile_rows, tile_cols;  // tensor-core kernel: dy tile of tile_rows x tile_cols (16 * k)
+  int bz;                  // images of a slice that a block works on at once
+  int64_t slices, images;  // slices of `images` images (a multiple of bz)
 };
 
-WgradSlices wgrad_slices(const ConvProblem& p) {
-  const int64_t pairs = p.K * p.channels_per_group();
-  if (p.N == 0 || pairs == 0) return {0, 0};
-  const int64_t wanted = std::clamp<int64_t>(ceil_div(kWgradBlocks, pairs), 1, p.N);
-  const int64_t images = ceil_div(p.N, wanted);
-  return {ceil_div(p.N, images), images};
+// Shared memory of the tensor-core weight gradient: the x tile and the dy tile with taps - 1
+// zero rows above. Rows are 16-byte aligned with pitch / 8 odd (conflict-free ldmatrix).
+struct WgradMmaTiles {
+  int x_rows, x_cols, x_pitch, dy_rows, dy_pitch;
+  int bytes(int element) const { return (x_rows * x_pitch + dy_rows * dy_pitch) * element; }
+};
+
+WgradMmaTiles wgrad_mma_tiles(int tile_rows, int tile_cols, int taps) {
+  const auto pitch = [](int cols) {
+    const int p = int(round_up(cols, 8));
+    return p % 16 == 0 ? p + 8 : p;
+  };
+  // x columns from the vector below the tile's first source column: up to 7 before it, then the
+  // last 16-column window's start + 15 + the last tap column, 7.
+  const int x_cols = int(round_up(tile_cols + 14, 8));
+  return {tile_rows + taps - 1, x_cols, pitch(x_cols), tile_rows + 2 * (taps - 1),
+          pitch(tile_cols)};
 }
 
-template <class A>
+template <class T>
+WgradPlan plan_wgrad(const ConvProblem& p) {
+  using A = acc_t<T>;
+  WgradPlan plan{};
+  const int64_t pairs = p.K * p.channels_per_group();
+  if (p.N == 0 || pairs == 0) return plan;
+  plan.bz = 1;
+  plan.taps = unrolled_taps(forward_rows(p), forward_cols(p));
+  const bool small = p.P < INT_MAX && p.Q < INT_MAX;
+  if (plan.taps > 0 && small && is_half_type<T>()) {
+    plan.kernel = WgradKernel::kMma;
+    const int64_t tiles_y = ceil_div(p.P, 64);
+    plan.tile_rows = int(ceil_div(p.P, tiles_y));
+    plan.tile_cols = int(16 * std::min<int64_t>(ceil_div(p.Q, 16), 4));
+    plan.tile.tiles_y = tiles_y;
+    plan.tile.tiles_x = ceil_div(p.Q, plan.tile_cols);
+  } else if (plan.taps > 0 && small) {
+    constexpr int kVector = 16 / int(sizeof(T));
+    plan.x_base = p.W % kVector == 0 ? aligned_column_base(p.pad_left, kVector) : 0;
+    plan.rows = strip_rows(p.P, p.Q);
+    plan.tile = choose_tile(p.P, p.Q - plan.x_base, plan.rows, kStripCols, kMaxThreads);
+    plan.strip = strip_tile(plan.tile.bx, plan.tile.by, plan.rows, plan.taps);
+    const int64_t tile_bytes = int64_t(plan.strip.stride) * int64_t(sizeof(A));
+    if (tile_bytes <= kSharedBytes) {
+      plan.kernel = WgradKernel::kStrips;
+      plan.bz = int(std::clamp<int64_t>(kMaxThreads / (plan.tile.bx * plan.tile.by), 1,
+                                        std::min<int64_t>(p.N, kSharedBytes / tile_bytes)));
+    }
+  }
+  const int64_t blocks = plan.kernel == WgradKernel::kMma ? kWgradMmaBlocks : kWgradBlocks;
+  const int64_t wanted = std::clamp<int64_t>(ceil_div(blocks, pairs), 1, p.N);
+  plan.images = round_up(ceil_div(p.N, wanted), plan.bz);
+  plan.slices = ceil_div(p.N, plan.images);
+  return plan;
+}
+
+template <class T>
 int64_t wgrad_scratch_bytes(const ConvProblem& p) {
-  return wgrad_slices(p).count * p.K * p.channels_per_group() * p.R * p.S * int64_t(sizeof(A));
+  return plan_wgrad<T>(p).slices * p.K * p.channels_per_group() * p.R * p.S *
+         int64_t(sizeof(acc_t<T>));
 }
 
 struct WgradGrid {
@@ -342,71 +936,202 @@ struct WgradGrid {
   int64_t pairs;               // K * C/g (filter, channel) pairs, pair = k * C/g + c
   int64_t slices, images;      // slices of `images` images
   int64_t tiles_x, tiles_y;
-  int bx, by;                  // a dy tile: bx columns x by strips of rows
-  int src_rows, src_cols;      // the shared tile of x
+  int bx, by, bz;              // strip kernel: bx threads x by strips of rows, bz images at once
+  int src_rows, src_cols;      // strip kernel: the shared tile of x
+  int pitch, tile_stride;      // strip kernel: elements between tile rows, and between tiles
+  int x_base;                  // strip kernel: first column of the column tiles
+  bool vector_x;               // stage_tile_vectors applies to x
+  bool vector_dy;              // dy: strip kernel, vectors of 4 aligned; mma, vectors staged
+  int tile_rows, tile_cols;    // tensor-core kernel: the dy tile
+  WgradMmaTiles mma;           // tensor-core kernel: its shared tiles
   int64_t tap_chunks;          // generic kernel: blocks per (pair, slice), kGenericTaps taps each
 };
 
-// Unit stride and dilation, kTaps x kTaps taps. Block (slice, pair); thread (tx, ty) of a dy
-// tile holds the kTaps^2 sums of column tx, rows ty * kRows .. + kRows - 1, over every tile of
-// every image of the slice; the x tile (with its halo) is staged in shared memory.
+// Unit stride and dilation, kTaps x kTaps taps, float32/float64. Block (slice, pair); thread
+// (z, tx, ty) holds the kTaps^2 sums of the dy register block at rows ty * kRows .. + kRows - 1,
+// columns 4 tx .. 4 tx + 3 of every tile of images first + z, first + z + bz, ... of the slice;
+// the block's threads stage the bz x tiles (with their halos) in shared memory together.
 template <class T, int kTaps, int kRows>
-__global__ void __launch_bounds__(kMaxThreads)
-    wgrad_partial_kernel(const T* __restrict__ dy, const T* __restrict__ x,
-                         acc_t<T>* __restrict__ partial, const WgradGrid G) {
-  using A = acc_t<T>;
+__global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
+    wgrad_strip_kernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ partial,
+                       const WgradGrid G) {
+  constexpr int kSpan = strip_span(kTaps);
   extern __shared__ __align__(16) unsigned char shared_memory[];
-  A* tile = reinterpret_cast<A*>(shared_memory);
+  T* const tiles = reinterpret_cast<T*>(shared_memory);
   const ConvProblem& p = G.p;
   const int plane_threads = G.bx * G.by;
-  const int tid = threadIdx.x;
-  const bool thread_live = tid < plane_threads;
-  const int tx = tid % G.bx, ty = tid / G.bx;
+  const int z = threadIdx.x / plane_threads;
+  const int t = threadIdx.x - z * plane_threads;
+  const int tx = t % G.bx, ty = t / G.bx;
+  const bool slot = z < G.bz;  // threads beyond bz images only round the block up to whole warps
+  const T* const strip =
+      tiles + (slot ? z : 0) * G.tile_stride + ty * kRows * G.pitch + tx * kStripCols;
   const int64_t Kg = p.filters_per_group(), Cg = p.channels_per_group();
   // The x tile in the stencil form of the forward pass (unit stride here).
   const StencilAxis rows = forward_rows(p), cols = forward_cols(p);
+  const int tiles_per_plane = int(G.tiles_x * G.tiles_y);
 
   for (int64_t b = blockIdx.x; b < G.slices * G.pairs; b += gridDim.x) {
     const int64_t slice = b / G.pairs, pair = b % G.pairs;
     const int64_t k = pair / Cg, c = pair % Cg;
     const int64_t channel = (k / Kg) * Cg + c;
-    A acc[kTaps * kTaps];
+    T acc[kTaps * kTaps];
 #pragma unroll
-    for (int t = 0; t < kTaps * kTaps; ++t) acc[t] = A(0);
+    for (int e = 0; e < kTaps * kTaps; ++e) acc[e] = T(0);
     const int64_t first = slice * G.images, last = std::min(p.N, first + G.images);
-    for (int64_t n = first; n < last; ++n) {
-      const T* x_plane = x + (n * p.C + channel) * p.H * p.W;
-      const T* dy_plane = dy + (n * p.K + k) * p.P * p.Q;
-      for (int64_t t = 0; t < G.tiles_x * G.tiles_y; ++t) {
-        const int64_t y0 = (t / G.tiles_x) * (int64_t(G.by) * kRows), x0 = (t % G.tiles_x) * G.bx;
-        __syncthreads();  // the previous tile has been consumed
-        if (thread_live)
-          stage_tile(tile, x_plane, rows, cols, rows.position(y0, 0), cols.position(x0, 0),
-                     G.src_rows, G.src_cols, tid, plane_threads);
-        __syncthreads();
-        if (thread_live) {
-          const int64_t q = x0 + tx;
-          A d[kRows];
+    for (int64_t n0 = first; n0 < last; n0 += G.bz) {
+      const int64_t n = n0 + z;
+      const bool live = slot && n < last;
+      for (int tile = 0; tile < tiles_per_plane; ++tile) {
+        const int y0 = (tile / int(G.tiles_x)) * (G.by * kRows);
+        const int x0 = G.x_base + (tile % int(G.tiles_x)) * (G.bx * kStripCols);
+        // This thread's dy block, loaded before staging x so that the loads overlap.
+        const int q = x0 + tx * kStripCols, y = y0 + ty * kRows;
+        const T* dy_rows = dy + ((n * p.K + k) * p.P + y) * p.Q;
+        T d[kRows][kStripCols];
 #pragma unroll
-          for (int j = 0; j < kRows; ++j) {
-            const int64_t row = y0 + ty * kRows + j;
-            d[j] = (row < p.P && q < p.Q) ? to_acc(dy_plane[row * p.Q + q]) : A(0);
-          }
-          const A* column = tile + ty * kRows * G.src_cols + tx;
+        for (int j = 0; j < kRows; ++j) {
+          const bool inside = live && y + j < p.P;
+          load_four(dy_rows + j * p.Q, q, inside ? p.Q : 0, G.vector_dy, d[j]);
+        }
+        __syncthreads();  // the previous tiles have been consumed
+        const int64_t u0 = rows.position(y0, 0), v0 = cols.position(x0, 0);
+        split_block(int(std::min<int64_t>(G.bz, last - n0)), [&](int zz, int tid, int threads) {
+          const T* x_plane = x + ((n0 + zz) * p.C + channel) * p.H * p.W;
+          T* tile_of = tiles + zz * G.tile_stride;
+          if (G.vector_x)
+            stage_tile_vectors<9>(tile_of, x_plane, p.H, p.W, u0, v0, G.src_rows, G.src_cols,
+                                  G.pitch, tid, threads);
+          else
+            stage_tile<24, T>(tile_of, x_plane, rows, cols, u0, v0, G.src_rows, G.src_cols,
+                              G.pitch, tid, threads);
+        });
+        __syncthreads();
+        if (live) {
           // Tile row dd is read by output row j through tap row dd - j.
 #pragma unroll
-          for (int dd = 0; dd < kRows + kTaps - 1; ++dd)
+          for (int dd = 0; dd < kRows + kTaps - 1; ++dd) {
+            T v[kSpan];
+            load_span(strip + dd * G.pitch, v);
 #pragma unroll
-            for (int s = 0; s < kTaps; ++s) {
-              const A v = column[dd * G.src_cols + s];
+            for (int r = 0; r < kTaps; ++r) {
+              const int j = dd - r;
+              if (j < 0 || j >= kRows) continue;
 #pragma unroll
-              for (int j = 0; j < kRows; ++j)
-                if (dd - j >= 0 && dd - j < kTaps) acc[(dd - j) * kTaps + s] += d[j] * v;
+              for (int s = 0; s < kTaps; ++s)
+#pragma unroll
+                for (int cc = 0; cc < kStripCols; ++cc) acc[r * kTaps + s] += d[j][cc] * v[cc + s];
             }
+          }
         }
       }
     }
     block_sum(acc, partial + b * (kTaps * kTaps));
+  }
+}
+
+// Unit stride and dilation, kTaps x kTaps taps, float16/bfloat16, on tensor cores. With v a row
+// of the x tile, C[r][s] = sum_{v, x} dy[v - r][x] * x[v][x + s]: for each v and 16 columns
+// x0 .. x0 + 15, A[m][k] = dy[v - m][x0 + k] (16 x 16, rows m >= kTaps unused) and
+// B[k][n] = x[v][x0 + k + n] (16 x 8, columns n >= kTaps unused) make one m16n8k16 product.
+// Block (slice, pair): its warps split the (v, x0) steps of every tile of every image of the
+// slice, then the warps' sums are added in order.
+template <class T, int kTaps>
+__global__ void __launch_bounds__(kMmaThreads, 6)
+    wgrad_mma_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                     float* __restrict__ partial, const WgradGrid G) {
+  extern __shared__ __align__(16) unsigned char shared_memory[];
+  const WgradMmaTiles& M = G.mma;
+  T* const x_tile = reinterpret_cast<T*>(shared_memory);
+  T* const dy_tile = x_tile + M.x_rows * M.x_pitch;
+  __shared__ float sums[kMmaThreads / 32][kTaps * kTaps];
+  const ConvProblem& p = G.p;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int g = lane >> 2, q = lane & 3;
+  // A: lane l addresses dy row v - m (m = its ldmatrix row), column 8 * (l >> 4); rows m past
+  // the taps read row v (their products are never used).
+  const int m = (lane & 7) + 8 * ((lane >> 3) & 1);
+  const T* const a_lane = dy_tile + (kTaps - 1 - (m < kTaps ? m : 0)) * M.dy_pitch + 8 * (lane >> 4);
+  // B: the lane holds B[2q + e][g] = x[v][x0 + 2q + g + e] and B[2q + 8 + e][g] (plus the
+  // tile's column offset).
+  const T* const b_lane = x_tile + g + 2 * q;
+  const int64_t Kg = p.filters_per_group(), Cg = p.channels_per_group();
+  const StencilAxis rows = forward_rows(p), cols = forward_cols(p);
+  const StencilAxis dy_cols{p.Q, p.Q, 1, 1, 1, 0, 1};
+  const int tiles_per_plane = int(G.tiles_x * G.tiles_y);
+  const int col_steps = G.tile_cols / 16;
+
+  for (int64_t b = blockIdx.x; b < G.slices * G.pairs; b += gridDim.x) {
+    const int64_t slice = b / G.pairs, pair = b % G.pairs;
+    const int64_t k = pair / Cg, c = pair % Cg;
+    const int64_t channel = (k / Kg) * Cg + c;
+    // Even and odd steps of the warp accumulate apart (two independent product chains), added
+    // at the end.
+    float acc[2][4] = {};
+    const int64_t first = slice * G.images, last = std::min(p.N, first + G.images);
+    for (int64_t n = first; n < last; ++n) {
+      for (int tile = 0; tile < tiles_per_plane; ++tile) {
+        const int y0 = (tile / int(G.tiles_x)) * G.tile_rows;
+        const int x0 = (tile % int(G.tiles_x)) * G.tile_cols;
+        const int tile_rows = std::min<int>(G.tile_rows, int(p.P) - y0);
+        __syncthreads();  // the previous tiles have been consumed
+        const T* x_plane = x + (n * p.C + channel) * p.H * p.W;
+        const T* dy_rows_of_tile = dy + ((n * p.K + k) * p.P + y0) * p.Q;
+        // x from the 16-byte vector at or before the tile's first source column.
+        const int64_t u0 = rows.position(y0, 0), v0 = cols.position(x0, 0);
+        const int offset = int(floor_mod(v0, 8));
+        const int tid = int(threadIdx.x), threads = int(blockDim.x);
+        if (G.vector_x)
+          stage_tile_vectors<6>(x_tile, x_plane, p.H, p.W, u0, v0 - offset, tile_rows + kTaps - 1,
+                                M.x_cols, M.x_pitch, tid, threads);
+        else
+          stage_tile<8, T>(x_tile, x_plane, rows, cols, u0, v0 - offset, tile_rows + kTaps - 1,
+                           M.x_cols, M.x_pitch, tid, threads);
+        // The tile's dy rows, with kTaps - 1 zero rows above and zeros past its last row (the
+        // neighbouring tiles' rows are theirs to count).
+        if (G.vector_dy) {
+          stage_tile_vectors<6>(dy_tile, dy_rows_of_tile, tile_rows, p.Q, -(kTaps - 1), x0,
+                                M.dy_rows, G.tile_cols, M.dy_pitch, tid, threads);
+        } else {
+          const StencilAxis dy_rows{tile_rows, tile_rows, 1, 1, 1, 0, 1};
+          stage_tile<8, T>(dy_tile, dy_rows_of_tile, dy_rows, dy_cols, -(kTaps - 1), x0,
+                           M.dy_rows, G.tile_cols, M.dy_pitch, tid, threads);
+        }
+        __syncthreads();
+        // Steps (v, x_step) = warp, warp + warps, ... in row-major order, walked without
+        // divisions.
+        const T* const b_tile = b_lane + offset;
+        const int v_end = tile_rows + kTaps - 1;
+        for (int v = warp / col_steps, xs = warp % col_steps; v < v_end;) {
+          uint32_t a[2][4], bfrag[2][2];
+          bool live[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            live[e] = v < v_end;
+            if (live[e]) {
+              load_fragment(a[e], a_lane + v * M.dy_pitch + 16 * xs);
+              const T* xb = b_tile + v * M.x_pitch + 16 * xs;
+              bfrag[e][0] = pack_pair(xb[0], xb[1]);
+              bfrag[e][1] = pack_pair(xb[8], xb[9]);
+            }
+            for (xs += warps; xs >= col_steps; xs -= col_steps) ++v;
+          }
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (live[e]) mma_16x8x16<T>(acc[e], a[e], bfrag[e]);
+        }
+      }
+    }
+    // The lane holds C[g][2q + e] in acc[.][e] (acc[.][2], acc[.][3]: rows g + 8, unused).
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      if (g < kTaps && 2 * q + e < kTaps) sums[warp][g * kTaps + 2 * q + e] = acc[0][e] + acc[1][e];
+    __syncthreads();
+    for (int t = threadIdx.x; t < kTaps * kTaps; t += blockDim.x) {
+      float sum = sums[0][t];
+      for (int w = 1; w < warps; ++w) sum += sums[w][t];
+      partial[b * (kTaps * kTaps) + t] = sum;
+    }
   }
 }
 
@@ -468,11 +1193,20 @@ __global__ void wgrad_finalize_kernel(const acc_t<T>* __restrict__ partial, T* _
 }
 
 template <class T, int kTaps, int kRows>
-void launch_wgrad_partial(cudaStream_t stream, const T* dy, const T* x, acc_t<T>* partial,
-                          const WgradGrid& G, size_t shared) {
-  const int threads = int(round_up(int64_t(G.bx) * G.by, 32));
+void launch_wgrad_strips(cudaStream_t stream, const T* dy, const T* x, T* partial,
+                         const WgradGrid& G) {
+  const int threads = int(round_up(int64_t(G.bx) * G.by * G.bz, 32));
   const unsigned blocks = unsigned(std::min<int64_t>(G.slices * G.pairs, int64_t(1) << 30));
-  wgrad_partial_kernel<T, kTaps, kRows><<<blocks, threads, shared, stream>>>(dy, x, partial, G);
+  const size_t shared = size_t(G.bz) * size_t(G.tile_stride) * sizeof(T);
+  wgrad_strip_kernel<T, kTaps, kRows><<<blocks, threads, shared, stream>>>(dy, x, partial, G);
+}
+
+template <class T, int kTaps>
+void launch_wgrad_mma(cudaStream_t stream, const T* dy, const T* x, float* partial,
+                      const WgradGrid& G) {
+  const unsigned blocks = unsigned(std::min<int64_t>(G.slices * G.pairs, int64_t(1) << 30));
+  wgrad_mma_kernel<T, kTaps>
+      <<<blocks, kMmaThreads, size_t(G.mma.bytes(int(sizeof(T)))), stream>>>(dy, x, partial, G);
 }
 
 template <class T>
@@ -482,48 +1216,58 @@ ffi::Error run_wgrad(cudaStream_t stream, const T* dy, const T* x, T* dw, const 
   const char* op = "conv2d wgrad";
   const int64_t count = p.K * p.channels_per_group() * p.R * p.S;
   if (count == 0) return ffi::Error::Success();
-  if (scratch_bytes < wgrad_scratch_bytes<A>(p))
+  if (scratch_bytes < wgrad_scratch_bytes<T>(p))
     return ffi::Error::InvalidArgument("conv2d wgrad: scratch buffer too small");
   A* partial = static_cast<A*>(scratch);
+  const WgradPlan plan = plan_wgrad<T>(p);
   WgradGrid G{};
   G.p = p;
   G.pairs = p.K * p.channels_per_group();
-  const WgradSlices slices = wgrad_slices(p);
-  G.slices = slices.count;
-  G.images = slices.images;
-  if (G.slices > 0) {
-    const StencilAxis rows = forward_rows(p), cols = forward_cols(p);
-    const int taps = unrolled_taps(rows, cols);
-    bool launched = false;
-    if (taps > 0) {
-      const int strip = strip_rows(p.P, p.Q);
-      const TileShape t = choose_tile(p.P, p.Q, strip, kMaxThreads);
-      G.bx = t.bx;
-      G.by = t.by;
-      G.tiles_x = t.tiles_x;
-      G.tiles_y = t.tiles_y;
-      G.src_rows = t.by * strip + taps - 1;
-      G.src_cols = t.bx + taps - 1;
-      const size_t shared = size_t(G.src_rows) * G.src_cols * sizeof(A);
-      if (shared <= size_t(kSharedBytes)) {
-        launched = true;
-        if (strip == 7) {
-          if (taps == 3) launch_wgrad_partial<T, 3, 7>(stream, dy, x, partial, G, shared);
-          if (taps == 5) launch_wgrad_partial<T, 5, 7>(stream, dy, x, partial, G, shared);
-          if (taps == 7) launch_wgrad_partial<T, 7, 7>(stream, dy, x, partial, G, shared);
-        } else {
-          if (taps == 3) launch_wgrad_partial<T, 3, 8>(stream, dy, x, partial, G, shared);
-          if (taps == 5) launch_wgrad_partial<T, 5, 8>(stream, dy, x, partial, G, shared);
-          if (taps == 7) launch_wgrad_partial<T, 7, 8>(stream, dy, x, partial, G, shared);
-        }
+  G.slices = plan.slices;
+  G.images = plan.images;
+  G.tiles_x = plan.tile.tiles_x;
+  G.tiles_y = plan.tile.tiles_y;
+  const int taps = plan.taps;
+  if (G.slices == 0) {
+    // No images: the finalize kernel writes zeros.
+  } else if (plan.kernel == WgradKernel::kMma) {
+    if constexpr (is_half_type<T>()) {
+      G.tile_rows = plan.tile_rows;
+      G.tile_cols = plan.tile_cols;
+      G.mma = wgrad_mma_tiles(plan.tile_rows, plan.tile_cols, taps);
+      G.vector_x = p.W % 8 == 0 && aligned_to(x, 16);
+      G.vector_dy = p.Q % 8 == 0 && aligned_to(dy, 16);
+      if (taps == 3) launch_wgrad_mma<T, 3>(stream, dy, x, partial, G);
+      if (taps == 5) launch_wgrad_mma<T, 5>(stream, dy, x, partial, G);
+      if (taps == 7) launch_wgrad_mma<T, 7>(stream, dy, x, partial, G);
+    }
+  } else if (plan.kernel == WgradKernel::kStrips) {
+    if constexpr (!is_half_type<T>()) {
+      G.bx = plan.tile.bx;
+      G.by = plan.tile.by;
+      G.bz = plan.bz;
+      G.src_rows = plan.strip.rows;
+      G.src_cols = plan.strip.cols;
+      G.pitch = plan.strip.pitch;
+      G.tile_stride = plan.strip.stride;
+      G.x_base = plan.x_base;
+      G.vector_x = p.W % (16 / int64_t(sizeof(T))) == 0 && aligned_to(x, 16);
+      G.vector_dy = G.x_base % 4 == 0 && p.Q % 4 == 0 && aligned_to(dy, 4 * sizeof(T));
+      if (plan.rows == 7) {
+        if (taps == 3) launch_wgrad_strips<T, 3, 7>(stream, dy, x, partial, G);
+        if (taps == 5) launch_wgrad_strips<T, 5, 7>(stream, dy, x, partial, G);
+        if (taps == 7) launch_wgrad_strips<T, 7, 7>(stream, dy, x, partial, G);
+      } else {
+        if (taps == 3) launch_wgrad_strips<T, 3, 8>(stream, dy, x, partial, G);
+        if (taps == 5) launch_wgrad_strips<T, 5, 8>(stream, dy, x, partial, G);
+        if (taps == 7) launch_wgrad_strips<T, 7, 8>(stream, dy, x, partial, G);
       }
     }
-    if (!launched) {
-      G.tap_chunks = ceil_div(p.R * p.S, kGenericTaps);
-      const int64_t wanted = G.slices * G.pairs * G.tap_chunks;
-      const unsigned blocks = unsigned(std::min<int64_t>(wanted, int64_t(1) << 30));
-      wgrad_partial_generic_kernel<T><<<blocks, kMaxThreads, 0, stream>>>(dy, x, partial, G);
-    }
+  } else {
+    G.tap_chunks = ceil_div(p.R * p.S, kGenericTaps);
+    const int64_t wanted = G.slices * G.pairs * G.tap_chunks;
+    const unsigned blocks = unsigned(std::min<int64_t>(wanted, int64_t(1) << 30));
+    wgrad_partial_generic_kernel<T><<<blocks, kMaxThreads, 0, stream>>>(dy, x, partial, G);
   }
   wgrad_finalize_kernel<T><<<grid_blocks(count, kMaxThreads), kMaxThreads, 0, stream>>>(
       partial, dw, G.slices, count);
@@ -581,8 +1325,12 @@ ConvPlan plan_conv(const ConvQuery& q) {
     if (dense >= 0) return {true, dense};
   }
   if (q.pass != ConvPass::kBackwardWeight) return {false, 0};
-  return {false, q.dtype == ConvDtype::kFloat64 ? wgrad_scratch_bytes<double>(q.problem)
-                                                : wgrad_scratch_bytes<float>(q.problem)};
+  switch (q.dtype) {
+    case ConvDtype::kFloat16: return {false, wgrad_scratch_bytes<float16>(q.problem)};
+    case ConvDtype::kBFloat16: return {false, wgrad_scratch_bytes<bfloat16>(q.problem)};
+    case ConvDtype::kFloat32: return {false, wgrad_scratch_bytes<float>(q.problem)};
+    default: return {false, wgrad_scratch_bytes<double>(q.problem)};
+  }
 }
 
 // Host query "conv2d_scratch" (the arguments of conv.h's "conv2d_dense_scratch"): the scratch
