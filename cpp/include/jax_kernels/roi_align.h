@@ -370,29 +370,6 @@ JK_HD void for_each_index_bin(const RoiAxis<A>& axis, int64_t i, int64_t extent,
   if (bin >= 0) f(bin, weight);
 }
 
-// Whether some valid sample along `axis` gives input index i a nonzero weight.
-template <class A>
-JK_HD bool touches(const RoiAxis<A>& axis, int64_t i, int64_t extent) {
-  bool touched = false;
-  for_each_index_sample(axis, i, extent, [&](int64_t, A) { touched = true; });
-  return touched;
-}
-
-// Calls f(bin, wy, wx) for every sample of `box` that gives input cell (h, w) a nonzero bilinear
-// weight wy * wx, in ascending (ty, tx) order: the input gradient of the cell is the sum over the
-// boxes of its image of dout[box, c, bin] * (wy * wx) / count. With the boxes taken in index
-// order, this fixes the order of every sum of the input gradient.
-template <class A, class F>
-JK_HD void for_each_cell_sample(const RoiBox<A>& box, int64_t h, int64_t w,
-                                const RoiAlignProblem& p, F&& f) {
-  if (w < box.x.span_first || w > box.x.span_last) return;  // before the search along y
-  for_each_index_sample(box.y, h, p.H, [&](int64_t ty, A wy) {
-    const int64_t bin_row = (ty / box.y.grid) * p.PW;
-    for_each_index_sample(box.x, w, p.W,
-                          [&](int64_t tx, A wx) { f(bin_row + tx / box.x.grid, wy, wx); });
-  });
-}
-
 // The weight of one term of an input-gradient cell: its row bin weight over the box's sample
 // count, times its column bin weight.
 template <class A>
@@ -460,20 +437,6 @@ JK_HD void accumulate_bin(const RoiBox<A>& box, int64_t bin, const T* planes, in
 ROI_ALIGN_UNROLL
     for (int c = 0; c < kChannels; ++c)
       if (c < channels) acc[c] += taps.value(planes + c * plane);
-  });
-}
-
-// Input gradient: acc[c] += the contributions of `box` to input cell (h, w), where box_dout
-// points at dout[box, first channel, 0, 0].
-template <int kChannels, class T, class A>
-JK_HD void accumulate_cell_gradient(const RoiBox<A>& box, int64_t h, int64_t w, const T* box_dout,
-                                    int64_t channels, const RoiAlignProblem& p,
-                                    A (&acc)[kChannels]) {
-  const int64_t bins = p.bins();
-  for_each_cell_sample(box, h, w, p, [&](int64_t bin, A wy, A wx) {
-ROI_ALIGN_UNROLL
-    for (int c = 0; c < kChannels; ++c)
-      if (c < channels) acc[c] += to_acc(box_dout[c * bins + bin]) * (wy * wx) / box.count;
   });
 }
 
