@@ -5,9 +5,10 @@ The forward, the input gradient and the box gradient are separate FFI calls (XLA
 gradients nobody uses). Each call has its own ``custom_vmap`` rule that folds the mapped axis into
 the kernel's own axes: boxes and output gradients into K, the input (or the input gradient) into N.
 A fold into N adds a term to the box-to-image map that the kernels apply (``_Batching``), so batch
-indices are never rewritten and no loop appears. On CUDA the deterministic input gradient sorts
-per-box row entries in scratch memory that XLA provides: its size comes from a host query at trace
-time, it is requested as an extra result, and the wrapper drops it.
+indices are never rewritten and no loop appears. On CUDA the forward stages the input in NHWC
+order, and the deterministic input gradient sorts per-box row entries, in scratch memory that XLA
+provides: its size comes from a host query at trace time, it is requested as an extra result, and
+the wrapper drops it.
 """
 
 from __future__ import annotations
@@ -174,13 +175,39 @@ def _rows(x: jax.Array, batched: bool) -> int:
 # --- forward ------------------------------------------------------------------------------------
 
 
+def _forward_call(params: _Params, batching: _Batching, input: jax.Array,
+                  boxes: jax.Array) -> jax.Array:
+    shape = (boxes.shape[0], input.shape[1], params.pooled_height, params.pooled_width)
+    result = jax.ShapeDtypeStruct(shape, input.dtype)
+    attrs = _attrs(params, batching)
+
+    def on_cpu(input, boxes):
+        return _ffi.call("jk_roi_align_fwd", result, input, boxes, **attrs)
+
+    if not _ffi.CUDA_BUILT:
+        return on_cpu(input, boxes)
+
+    def on_cuda(input, boxes):
+        # The CUDA forward stages the input in NHWC order and sorts the boxes by position in
+        # scratch memory.
+        scratch_bytes = _ffi.query("roi_align_forward_scratch", *input.shape, boxes.shape[0],
+                                   np.dtype(input.dtype).itemsize)
+        if scratch_bytes < 0:
+            raise ValueError(f"roi_align(): {boxes.shape[0]} boxes on {input.shape[0]} images of "
+                             f"{input.shape[2]} rows exceed the 32-bit box sort of the CUDA "
+                             "forward: use fewer boxes per call")
+        scratch = jax.ShapeDtypeStruct((scratch_bytes,), jnp.uint8)
+        out, _ = _ffi.call("jk_roi_align_fwd", (result, scratch), input, boxes, **attrs)
+        return out
+
+    return jax.lax.platform_dependent(input, boxes, default=on_cpu, cuda=on_cuda)
+
+
 @functools.lru_cache(maxsize=None)
 def _forward(params: _Params, batching: _Batching):
     @jax.custom_batching.custom_vmap
     def forward(input, boxes):
-        shape = (boxes.shape[0], input.shape[1], params.pooled_height, params.pooled_width)
-        return _ffi.call("jk_roi_align_fwd", jax.ShapeDtypeStruct(shape, input.dtype), input, boxes,
-                         **_attrs(params, batching))
+        return _forward_call(params, batching, input, boxes)
 
     @forward.def_vmap
     def forward_rule(axis_size, in_batched, input, boxes):
@@ -214,14 +241,16 @@ def _backward_input_call(params: _Params, batching: _Batching, shape: tuple[int,
         if not deterministic and np.dtype(dout.dtype) in (np.float32, np.float64):
             return _ffi.call("jk_roi_align_bwd_input_atomic", result, dout, boxes, **attrs)
         # Half types have no fast atomics and always take the sorted, ordered gather.
-        n, _, h, _ = shape
-        scratch_bytes = _ffi.query("roi_align_backward_input_scratch", n, h, boxes.shape[0],
-                                   params.pooled_height, params.sampling_ratio)
+        n, c, h, w = shape
+        scratch_bytes = _ffi.query("roi_align_backward_input_scratch", n, c, h, w, boxes.shape[0],
+                                   params.pooled_height, params.pooled_width,
+                                   params.sampling_ratio, np.dtype(dout.dtype).itemsize)
         if scratch_bytes < 0:
             raise ValueError(
-                f"roi_align(): the deterministic CUDA input gradient sorts one entry per box and "
-                f"touched input row in 32 bits; {boxes.shape[0]} boxes on {n} images of {h} rows "
-                "exceed that: use deterministic=False (float32/float64) or fewer boxes per call")
+                f"roi_align(): the deterministic CUDA input gradient sorts one entry per box, "
+                f"touched input row and bin row in 32 bits; {boxes.shape[0]} boxes on {n} images "
+                f"of {h} rows exceed that: use deterministic=False (float32/float64) or fewer "
+                "boxes per call")
         scratch = jax.ShapeDtypeStruct((scratch_bytes,), jnp.uint8)
         d_input, _ = _ffi.call("jk_roi_align_bwd_input", (result, scratch), dout, boxes, **attrs)
         return d_input

@@ -1,10 +1,10 @@
 // CPU FFI handlers of roi_align: the forward, the input gradient and the box gradient, built from
 // the functions of roi_align.h that the CUDA kernels run, so the CPU tests exercise the GPU's
-// formulas. The forward and the box gradient take the same (box, bin, channel chunk) items as the
-// CUDA kernels. The input gradient is the CUDA gather (per input row, the boxes touching it in
-// index order; per box, its samples reaching the cell) with the sample searches hoisted out of
-// the cell loop: every cell receives the same terms in the same order. Every pass is deterministic
-// whatever the thread count.
+// formulas. The forward and the box gradient sum each bin's samples in the CUDA kernels' order.
+// The input gradient is the CUDA gather (per input row, the (box, bin row) entries touching it
+// in box order; per entry, the column bins of its box) with its loops reordered: every cell
+// receives the same terms in the same order. Every pass is deterministic whatever the thread
+// count.
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -43,104 +43,94 @@ void forward_typed(const RoiAlignProblem& p, const T* input, const T* boxes, T* 
   });
 }
 
-// Per input row (image * H + h), the boxes whose samples touch it, in index order.
-struct RowLists {
-  std::vector<int64_t> begin;  // N * H + 1 offsets into boxes
-  std::vector<int64_t> boxes;
-};
-
+// The input-gradient weights of one box: its (row, bin row, row weight) entries in ascending row
+// and bin, and per column of its column span the (column bin, weight) pairs in ascending bin.
 template <class A>
-RowLists row_lists(const std::vector<RoiBox<A>>& geometry, const RoiAlignProblem& p) {
-  std::vector<std::vector<int64_t>> touched(p.K);
-  parallel_for(p.K, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) {
-      const RoiBox<A>& box = geometry[k];
-      if (box.image < 0) continue;
-      for (int64_t h = box.y.span_first; h <= box.y.span_last; ++h)
-        if (touches(box.y, h, p.H)) touched[k].push_back(box.image * p.H + h);
-    }
-  });
-  RowLists lists;
-  lists.begin.assign(p.N * p.H + 1, 0);
-  for (const auto& rows : touched)
-    for (int64_t row : rows) ++lists.begin[row + 1];
-  for (int64_t r = 0; r < p.N * p.H; ++r) lists.begin[r + 1] += lists.begin[r];
-  lists.boxes.resize(lists.begin.back());
-  std::vector<int64_t> next(lists.begin.begin(), lists.begin.end() - 1);
-  for (int64_t k = 0; k < p.K; ++k)
-    for (int64_t row : touched[k]) lists.boxes[next[row]++] = k;
-  return lists;
-}
-
-// The column samples of each box, column by column: (column, bin column, weight), in the order
-// for_each_cell_sample visits them.
-template <class A>
-struct ColumnSamples {
-  struct Entry {
-    int64_t w, bin_column;
+struct BoxWeights {
+  struct Row {
+    int64_t row, bin_row;  // bin_row = ph * PW
+    A weight;              // input_gradient_row_weight
+  };
+  struct Column {
+    int64_t bin;
     A weight;
   };
-  std::vector<int64_t> begin;  // K + 1 offsets into entries
-  std::vector<Entry> entries;
+  int64_t image = -1;  // no entries unless the box reads an image
+  std::vector<Row> rows;
+  int64_t column_first = 0;
+  std::vector<int64_t> column_begin;  // column_count + 1 offsets into columns
+  std::vector<Column> columns;
+
+  int64_t column_count() const { return int64_t(column_begin.size()) - 1; }
 };
 
-template <class A>
-ColumnSamples<A> column_samples(const std::vector<RoiBox<A>>& geometry, const RoiAlignProblem& p) {
-  std::vector<std::vector<typename ColumnSamples<A>::Entry>> per_box(p.K);
-  parallel_for(p.K, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) {
-      const RoiAxis<A>& x = geometry[k].x;
-      if (geometry[k].image < 0) continue;
-      for (int64_t w = x.span_first; w <= x.span_last; ++w)
-        for_each_index_sample(x, w, p.W, [&](int64_t tx, A wx) {
-          per_box[k].push_back({w, tx / x.grid, wx});
-        });
-    }
-  });
-  ColumnSamples<A> columns;
-  columns.begin.assign(p.K + 1, 0);
-  for (int64_t k = 0; k < p.K; ++k)
-    columns.begin[k + 1] = columns.begin[k] + int64_t(per_box[k].size());
-  columns.entries.reserve(columns.begin.back());
-  for (const auto& entries : per_box)
-    columns.entries.insert(columns.entries.end(), entries.begin(), entries.end());
-  return columns;
+template <class T>
+BoxWeights<acc_t<T>> box_weights(const T* boxes, int64_t k, const RoiAlignProblem& p) {
+  using A = acc_t<T>;
+  const RoiBox<A> box = roi_box_with_spans(boxes, k, p);
+  BoxWeights<A> weights;
+  weights.column_begin.assign(1, 0);
+  if (box.image < 0) return weights;
+  weights.image = box.image;
+  weights.column_first = box.x.span_first;
+  for (int64_t w = box.x.span_first; w <= box.x.span_last; ++w) {
+    for_each_index_bin(box.x, w, p.W, [&](int64_t bin, A weight) {
+      weights.columns.push_back({bin, weight});
+    });
+    weights.column_begin.push_back(int64_t(weights.columns.size()));
+  }
+  if (weights.column_count() <= 0) return weights;
+  for (int64_t h = box.y.span_first; h <= box.y.span_last; ++h)
+    for_each_index_bin(box.y, h, p.H, [&](int64_t bin, A weight) {
+      weights.rows.push_back({h, bin * p.PW, input_gradient_row_weight(box, weight)});
+    });
+  return weights;
 }
 
-// The row-list gather of the CUDA path with its loops reordered for the CPU: per input row and
-// channel chunk, the boxes of the row in order, per box its row samples, per row sample its column
-// samples. Every input cell receives the terms of accumulate_cell_gradient in the same order.
+// The CUDA path's gather with its loops reordered for the CPU: per input row and channel chunk,
+// the row's entries (boxes in index order, then bin rows), per entry the columns of its box, per
+// column its column bins. Every input cell receives the same terms in the same order as on CUDA.
 template <class T>
 void backward_input_typed(const RoiAlignProblem& p, const T* dout, const T* boxes, T* d_input) {
   using A = acc_t<T>;
-  std::vector<RoiBox<A>> geometry(p.K);
-  parallel_for(p.K, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) geometry[k] = roi_box_with_spans(boxes, k, p);
+  std::vector<BoxWeights<A>> weights(p.K);
+  parallel_for(p.K, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) weights[k] = box_weights(boxes, k, p);
   });
-  const RowLists rows = row_lists(geometry, p);
-  const ColumnSamples<A> columns = column_samples(geometry, p);
+  // Per input row (image * H + h), its (box, index into the box's rows) entries in box order.
+  const int64_t rows = p.N * p.H;
+  std::vector<int64_t> row_begin(rows + 1, 0);
+  for (int64_t k = 0; k < p.K; ++k)
+    for (const auto& row : weights[k].rows) ++row_begin[weights[k].image * p.H + row.row + 1];
+  for (int64_t r = 0; r < rows; ++r) row_begin[r + 1] += row_begin[r];
+  std::vector<std::pair<int64_t, int64_t>> entries(row_begin.back());
+  std::vector<int64_t> next(row_begin.begin(), row_begin.end() - 1);
+  for (int64_t k = 0; k < p.K; ++k)
+    for (int64_t i = 0; i < int64_t(weights[k].rows.size()); ++i)
+      entries[next[weights[k].image * p.H + weights[k].rows[i].row]++] = {k, i};
+
   const int64_t chunks = channel_chunks(p), bins = p.bins(), plane = p.H * p.W;
-  parallel_for(p.N * p.H * chunks, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(rows * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<A> acc(p.W * kChannels);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t row = task / chunks, c_begin = (task % chunks) * kChannels;
       const int64_t n = row / p.H, h = row % p.H;
       const int64_t channels = std::min<int64_t>(kChannels, p.C - c_begin);
       std::fill(acc.begin(), acc.end(), A(0));
-      for (int64_t e = rows.begin[row]; e < rows.begin[row + 1]; ++e) {
-        const int64_t k = rows.boxes[e];
-        const RoiBox<A>& box = geometry[k];
-        const T* g = dout + (k * p.C + c_begin) * bins;
-        for_each_index_sample(box.y, h, p.H, [&](int64_t ty, A wy) {
-          const T* g_row = g + (ty / box.y.grid) * p.PW;
-          for (int64_t i = columns.begin[k]; i < columns.begin[k + 1]; ++i) {
-            const auto& column = columns.entries[i];
-            const A weight = wy * column.weight;
-            A* cell = acc.data() + column.w * kChannels;
+      for (int64_t e = row_begin[row]; e < row_begin[row + 1]; ++e) {
+        const auto [k, i] = entries[e];
+        const BoxWeights<A>& box = weights[k];
+        const auto& entry = box.rows[i];
+        const T* g = dout + (k * p.C + c_begin) * bins + entry.bin_row;
+        for (int64_t j = 0; j < box.column_count(); ++j) {
+          A* cell = acc.data() + (box.column_first + j) * kChannels;
+          for (int64_t q = box.column_begin[j]; q < box.column_begin[j + 1]; ++q) {
+            const auto& column = box.columns[q];
+            const A weight = input_gradient_weight(entry.weight, column.weight);
             for (int64_t c = 0; c < channels; ++c)
-              cell[c] += to_acc(g_row[c * bins + column.bin_column]) * weight / box.count;
+              cell[c] += input_gradient_term(g[c * bins + column.bin], weight);
           }
-        });
+        }
       }
       T* out = d_input + (n * p.C + c_begin) * plane + h * p.W;
       for (int64_t w = 0; w < p.W; ++w)

@@ -1,23 +1,38 @@
 // CUDA FFI handlers of roi_align.
 //
-// Forward and box gradient: one thread per (box, bin, channel chunk) computes the bin's samples
-// once and reuses them over its channels; the box gradient reduces per box in a fixed order (one
-// block per box), so both are deterministic without atomics.
+// Channel slabs: the forward and the deterministic input gradient read channels through groups of
+// lanes (32, fewer when C < 32) that take a slab of up to 256 channels (1 KB per cell), each lane
+// a few channels (float4 loads for float32 when C % 4 == 0). A group computes the geometry of a
+// bin, or the entries of a cell, once for the whole slab, and every load of the group reads
+// consecutive channels. Both passes first stage the data they read channel-minor in scratch
+// memory that XLA provides: the input as NHWC, the output gradient as [K, bins, C] (tiled
+// transposes).
 //
-// Input gradient, deterministic (default): an ordered gather instead of a scatter.
-//   1. One warp per box lists, in ascending order, the input rows its samples touch (at most
-//      min(H, 2 * PH * sampling_ratio) rows; H for the adaptive grid) as (key = image * H + row,
-//      value = box) and stores the box geometry.
-//   2. A stable radix sort (CUB) groups the entries by row, boxes in index order within a row,
-//      and a binary search per row gives each row's segment.
-//   3. One thread per (input cell, 32 channels) walks its row's boxes in order and, per box,
-//      the few samples that reach its row and column, summing weight * dout in a fixed order.
+// Forward: the boxes are sorted by image and center row (CUB), then one block per (slab, box,
+// tile of bins) in that order, so the blocks in flight read a few image rows of the staged input
+// (kept in L2). The block finds the candidate samples of its bin rows and columns once; a group
+// per bin sums the bin's samples in for_each_bin_sample's order; the block stages its outputs in
+// shared memory and writes them as contiguous runs.
+//
+// Box gradient: one block per box; thread j takes the items (bin, 16 channels) j, j + 256, ...
+// and reduces over the block in a fixed order, so it is deterministic without atomics.
+//
+// Input gradient, deterministic (default): an ordered gather instead of a scatter, from the
+// per-bin weights of roi_align.h (for_each_index_bin).
+//   1. Two warps per box write its (input row, bin row, row weight) entries, keyed by
+//      image * H + row, and per column of its column span the (column bin, weight) pairs.
+//   2. A stable radix sort (CUB) groups the row entries by input row, boxes in index order within
+//      a row; a binary search per row gives each row's segment.
+//   3. One block per (slab, input row, run of 16 columns) stages the row's entries with their
+//      terms at the run's cells in shared memory; per cell, a group scans the entries a lane per
+//      entry and adds the hits' input_gradient_term in entry order, then column-bin order.
 // Every sum has an order that depends only on the data, so d_input is bitwise reproducible.
-// Scratch (geometry, keys, values, row offsets, CUB temp storage) comes from XLA as an extra
-// result sized by the host query "roi_align_backward_input_scratch".
+// Scratch (staged output gradient, entries, keys, values, offsets, CUB temp storage) comes from
+// XLA as an extra result sized by the host query "roi_align_backward_input_scratch" (the
+// forward's: "roi_align_forward_scratch").
 //
-// Input gradient, deterministic=False (float32/float64 only): the forward's threads scatter
-// weight * dout with atomicAdd.
+// Input gradient, deterministic=False (float32/float64 only): per (box, bin, 16 channels), the
+// samples' weight * dout added with atomicAdd.
 #include <cub/device/device_radix_sort.cuh>
 
 #include <algorithm>
@@ -36,14 +51,279 @@ namespace jax_kernels {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kChannels = 16;  // channels per thread: the sample geometry is reused over them
-// The gather's per-(cell, box) sample search is paid once per chunk: a larger chunk there.
-constexpr int kGatherChannels = 32;
+constexpr int kChannels = 16;  // channels per thread of the box gradient and the atomic path
+constexpr int kMaxPerLane = 8;
+// Channels of a slab: 1 KB of each cell (256 float32 channels, 128 float64, at most 256), so that
+// the sample geometry of a bin (forward) or the entry scan of a cell (gather) is shared by that
+// many channels.
+constexpr int64_t kSlabBytes = 1024;
+template <class T>
+constexpr int64_t slab_channels() {
+  return std::min<int64_t>(kMaxPerLane * 32, kSlabBytes / int64_t(sizeof(T)));
+}
+constexpr int64_t kForwardTileBytes = 24 << 10;  // shared memory of a forward block's outputs
+constexpr int64_t kGatherTileBytes = 48 << 10;   // and of a gather block's
+constexpr int64_t kAlign = 256;
 
-// ---- forward and atomic input gradient ----------------------------------------------------------
+int64_t aligned_size(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
-// Work item i of a (box, channel chunk, bin) grid, bins fastest so that a warp's output stores
-// for one channel are contiguous.
+// ---- channel slabs ---------------------------------------------------------------------------
+
+struct ChannelSlabs {
+  int lanes;     // lanes per channel group: 32, or the smallest power of two >= C below that
+  int per_lane;  // channels per lane: 1, 2, 4 or 8
+  int64_t slab;  // channels per slab: lanes * per_lane
+  int64_t slabs;
+};
+
+// Slabs of about `target` channels (at least a group's lanes, at most kMaxPerLane per lane).
+ChannelSlabs channel_slabs(int64_t C, int64_t target) {
+  ChannelSlabs s;
+  s.lanes = 32;
+  while (s.lanes > 1 && s.lanes / 2 >= C) s.lanes /= 2;
+  const int64_t wanted = std::min(std::max<int64_t>(target, s.lanes), std::max<int64_t>(C, 1));
+  s.per_lane = 1;
+  while (s.per_lane < kMaxPerLane && s.lanes * s.per_lane < wanted) s.per_lane *= 2;
+  s.slab = int64_t(s.lanes) * s.per_lane;
+  s.slabs = (C + s.slab - 1) / s.slab;
+  return s;
+}
+
+// A lane loads kVec consecutive channels at a time (float4 for float32 when C % 4 == 0, else 1):
+// value u of a lane is channel slab_channel(u) of the slab.
+template <int kVec>
+__device__ __forceinline__ int slab_channel(int u, int lanes, int lane) {
+  return (u / kVec) * lanes * kVec + lane * kVec + u % kVec;
+}
+
+// The lane's kPerLane values of the slab whose first channel is at `at` (zero past `channels`).
+template <class T, int kPerLane, int kVec>
+__device__ __forceinline__ void load_slab(const T* __restrict__ at, int lanes, int lane,
+                                          int channels, T (&values)[kPerLane]) {
+  if constexpr (kVec == 4) {
+#pragma unroll
+    for (int g = 0; g < kPerLane / 4; ++g) {
+      const int c = (g * lanes + lane) * 4;
+      const float4 q = c < channels ? *reinterpret_cast<const float4*>(at + c)
+                                    : make_float4(0.f, 0.f, 0.f, 0.f);
+      values[4 * g] = q.x;
+      values[4 * g + 1] = q.y;
+      values[4 * g + 2] = q.z;
+      values[4 * g + 3] = q.w;
+    }
+  } else {
+#pragma unroll
+    for (int u = 0; u < kPerLane; ++u) {
+      const int c = u * lanes + lane;
+      values[u] = c < channels ? at[c] : T{};
+    }
+  }
+}
+
+// Calls f(per_lane, vec, index) with the compile-time shape of a slab kernel: channels per lane,
+// channels per load (4 only for float32 with `vector`), and 32- or 64-bit offsets (`narrow`).
+template <class T, class F>
+void with_slab_kernel(const ChannelSlabs& slabs, bool vector, bool narrow, F&& f) {
+  auto with_index = [&](auto per_lane, auto vec) {
+    if (narrow)
+      f(per_lane, vec, int32_t{});
+    else
+      f(per_lane, vec, int64_t{});
+  };
+  auto with_vec = [&](auto per_lane) {
+    if constexpr (std::is_same_v<T, float> && decltype(per_lane)::value % 4 == 0) {
+      if (vector) return with_index(per_lane, std::integral_constant<int, 4>{});
+    }
+    with_index(per_lane, std::integral_constant<int, 1>{});
+  };
+  switch (slabs.per_lane) {
+    case 1:
+      return with_vec(std::integral_constant<int, 1>{});
+    case 2:
+      return with_vec(std::integral_constant<int, 2>{});
+    case 4:
+      return with_vec(std::integral_constant<int, 4>{});
+    default:
+      return with_vec(std::integral_constant<int, kMaxPerLane>{});
+  }
+}
+
+// ---- staging: batched transpose ---------------------------------------------------------------
+
+// out[b][j][i] = in[b][i][j] for `batch` matrices of rows x cols, through 64 x 32 shared tiles
+// (8 loads in flight per thread): blocks of 32 x 8 threads, blockIdx.x the column tile,
+// blockIdx.y (strided) the (matrix, row tile).
+template <class T, class Index>
+__global__ void __launch_bounds__(kThreads)
+    roi_align_transpose_kernel(const T* __restrict__ in, T* __restrict__ out, Index rows,
+                               Index cols, Index row_tiles, Index row_tiles_total) {
+  __shared__ T tile[64][33];
+  const Index j0 = Index(blockIdx.x) * 32;
+  for (Index y = blockIdx.y; y < row_tiles_total; y += gridDim.y) {
+    const Index matrix = y / row_tiles, i0 = (y - matrix * row_tiles) * 64;
+    const T* src = in + matrix * rows * cols;
+    T* dst = out + matrix * rows * cols;
+#pragma unroll
+    for (int r = threadIdx.y; r < 64; r += 8) {
+      const Index i = i0 + r, j = j0 + threadIdx.x;
+      if (i < rows && j < cols) tile[r][threadIdx.x] = src[i * cols + j];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = threadIdx.y; r < 32; r += 8) {
+#pragma unroll
+      for (int half = 0; half < 64; half += 32) {
+        const Index j = j0 + r, i = i0 + half + threadIdx.x;
+        if (i < rows && j < cols) dst[j * rows + i] = tile[half + threadIdx.x][r];
+      }
+    }
+    __syncthreads();
+  }
+}
+
+template <class T>
+void transpose(const T* in, T* out, int64_t batch, int64_t rows, int64_t cols,
+               cudaStream_t stream) {
+  const int64_t row_tiles = (rows + 63) / 64, col_tiles = (cols + 31) / 32;
+  if (batch * row_tiles * col_tiles == 0) return;
+  const dim3 grid(unsigned(col_tiles), unsigned(std::min<int64_t>(batch * row_tiles, 65535)));
+  if (batch * rows * cols < (int64_t(1) << 31))
+    roi_align_transpose_kernel<T, int32_t><<<grid, dim3(32, 8), 0, stream>>>(
+        in, out, int32_t(rows), int32_t(cols), int32_t(row_tiles), int32_t(batch * row_tiles));
+  else
+    roi_align_transpose_kernel<T, int64_t><<<grid, dim3(32, 8), 0, stream>>>(
+        in, out, rows, cols, row_tiles, batch * row_tiles);
+}
+
+// ---- forward -----------------------------------------------------------------------------------
+
+// A forward block item covers a tile of at most kMaxTileBins of the box's bins: whole bin rows
+// when a row fits, else part of one row.
+constexpr int64_t kMaxTileBins = 256;
+
+// The candidate samples [first, last) of one bin row or column.
+struct CandidateRange {
+  int64_t first, last;
+};
+
+struct ForwardLaunch {
+  ChannelSlabs slabs;
+  int64_t row_tiles;   // tiles per bin row: 1 when a tile holds whole rows
+  int64_t tile_rows;   // bin rows per tile (1 when row_tiles > 1)
+  int64_t tile_cols;   // bins per tile along a row (PW when row_tiles == 1)
+  int64_t tiles;       // tiles per box
+  int64_t tile_stride;  // shared-memory row of a channel's outputs
+  int64_t ranges_at, shared_bytes;  // shared memory: outputs, then candidate ranges
+};
+
+template <class T>
+ForwardLaunch forward_launch(const RoiAlignProblem& p) {
+  ForwardLaunch l;
+  l.slabs = channel_slabs(p.C, slab_channels<T>());
+  const int64_t most = std::min<int64_t>(
+      kMaxTileBins, std::max<int64_t>(1, kForwardTileBytes / (l.slabs.slab * int64_t(sizeof(T)))));
+  if (p.PW <= most) {  // tiles of even numbers of whole rows
+    l.row_tiles = 1;
+    l.tiles = (p.PH + most / p.PW - 1) / (most / p.PW);
+    l.tile_rows = (p.PH + l.tiles - 1) / l.tiles;
+    l.tile_cols = p.PW;
+  } else {
+    l.row_tiles = (p.PW + most - 1) / most;
+    l.tile_rows = 1;
+    l.tile_cols = (p.PW + l.row_tiles - 1) / l.row_tiles;
+    l.tiles = p.PH * l.row_tiles;
+  }
+  l.tile_stride = (l.tile_rows * l.tile_cols) | 1;  // odd: a group's lanes store to distinct banks
+  l.ranges_at = aligned_size(l.slabs.slab * l.tile_stride * int64_t(sizeof(T)));
+  l.shared_bytes = l.ranges_at + (l.tile_rows + l.tile_cols) * int64_t(sizeof(CandidateRange));
+  return l;
+}
+
+// Block item i = (slab, box in sorted order, tile of bins), slabs slowest, so that the blocks in
+// flight read a slab of the staged input around a few image rows. The block first finds the
+// candidate samples of the tile's bin rows and columns; then a group takes one bin at a time and
+// sums its samples in for_each_bin_sample's order, its lanes loading the slab's channels of each
+// tap.
+template <class T, int kPerLane, int kVec, class Index>
+__global__ void __launch_bounds__(kThreads, 2)
+    roi_align_forward_kernel(const T* __restrict__ nhwc, const T* __restrict__ boxes,
+                             const uint32_t* __restrict__ order, T* __restrict__ out,
+                             RoiAlignProblem p, ForwardLaunch l) {
+  using A = acc_t<T>;
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  T* tile = reinterpret_cast<T*>(shared_bytes);
+  CandidateRange* ranges = reinterpret_cast<CandidateRange*>(shared_bytes + l.ranges_at);
+  const int lanes = l.slabs.lanes;
+  const int lane = threadIdx.x % lanes, group = threadIdx.x / lanes, groups = blockDim.x / lanes;
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int64_t bins = p.bins(), items = l.slabs.slabs * p.K * l.tiles;
+  const Index W = Index(p.W), C = Index(p.C);
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const int64_t tile_index = item % l.tiles, rest = item / l.tiles;
+    const int64_t k = order[rest % p.K], c0 = (rest / p.K) * l.slabs.slab;
+    const int channels = int(min(l.slabs.slab, p.C - c0));
+    int64_t ph0 = tile_index * l.tile_rows, pw0 = 0;
+    if (l.row_tiles > 1) {
+      ph0 = tile_index / l.row_tiles;
+      pw0 = (tile_index - ph0 * l.row_tiles) * l.tile_cols;
+    }
+    const int rows = int(min(l.tile_rows, p.PH - ph0)), cols = int(min(l.tile_cols, p.PW - pw0));
+    const RoiBox<A> box = roi_box(boxes, k, p);
+    for (int i = threadIdx.x; i < rows + cols; i += blockDim.x) {
+      CandidateRange& range = ranges[i];
+      if (i < rows)
+        bin_candidates(box.y, ph0 + i, p.H, &range.first, &range.last);
+      else
+        bin_candidates(box.x, pw0 + i - rows, p.W, &range.first, &range.last);
+    }
+    __syncthreads();
+    const T* image = nhwc + max(box.image, int64_t(0)) * p.H * p.W * p.C + c0;
+    for (int b = group; b < rows * cols; b += groups) {
+      A acc[kPerLane];
+#pragma unroll
+      for (int u = 0; u < kPerLane; ++u) acc[u] = A(0);
+      const int r = b / cols, c = b - r * cols;
+      const BinCandidates candidates{ph0 + r, pw0 + c, ranges[r].first, ranges[r].last,
+                                     ranges[rows + c].first, ranges[rows + c].last};
+      if (box.image >= 0)
+        for_each_bin_sample(box, candidates, p, [&](int64_t, const AxisSample<A>& sy, int64_t,
+                                                    const AxisSample<A>& sx) {
+          const BilinearTaps<A> taps = bilinear_taps(sy, sx, p.W);
+          const Index low = Index(sy.low) * W, high = Index(sy.high) * W;
+          T values[4][kPerLane];
+          load_slab<T, kPerLane, kVec>(image + (low + Index(sx.low)) * C, lanes, lane, channels,
+                                       values[0]);
+          load_slab<T, kPerLane, kVec>(image + (low + Index(sx.high)) * C, lanes, lane, channels,
+                                       values[1]);
+          load_slab<T, kPerLane, kVec>(image + (high + Index(sx.low)) * C, lanes, lane, channels,
+                                       values[2]);
+          load_slab<T, kPerLane, kVec>(image + (high + Index(sx.high)) * C, lanes, lane,
+                                       channels, values[3]);
+#pragma unroll
+          for (int u = 0; u < kPerLane; ++u)  // BilinearTaps::value's order of operations
+            acc[u] += taps.w1 * to_acc(values[0][u]) + taps.w2 * to_acc(values[1][u]) +
+                      taps.w3 * to_acc(values[2][u]) + taps.w4 * to_acc(values[3][u]);
+        });
+#pragma unroll
+      for (int u = 0; u < kPerLane; ++u) {
+        const int channel = slab_channel<kVec>(u, lanes, lane);
+        if (channel < channels) tile[channel * l.tile_stride + b] = from_acc<T>(acc[u] / box.count);
+      }
+    }
+    __syncthreads();
+    // The tile's bins are consecutive: whole rows, or part of one row.
+    T* o = out + (k * p.C + c0) * bins + ph0 * p.PW + pw0;
+    for (int channel = warp; channel < channels; channel += warps)
+      for (int b = threadIdx.x % 32; b < rows * cols; b += 32)
+        o[channel * bins + b] = tile[channel * l.tile_stride + b];
+    __syncthreads();  // the tile and the ranges are rewritten for the next item
+  }
+}
+
+// ---- atomic input gradient and box gradient -----------------------------------------------------
+
+// Work item i of a (box, channel chunk, bin) grid, bins fastest so that a warp's accesses for one
+// channel are close together.
 struct BinItem {
   int64_t k, c_begin, bin;
 };
@@ -52,30 +332,6 @@ __device__ __forceinline__ BinItem bin_item(int64_t i, int64_t bins, int64_t chu
   const int64_t bin = i % bins;
   const int64_t rest = i / bins;
   return BinItem{rest / chunks, (rest % chunks) * kChannels, bin};
-}
-
-template <class T>
-__global__ void __launch_bounds__(kThreads)
-    roi_align_forward_kernel(const T* __restrict__ input, const T* __restrict__ boxes,
-                             T* __restrict__ out, RoiAlignProblem p, int64_t chunks) {
-  using A = acc_t<T>;
-  const int64_t bins = p.bins(), plane = p.H * p.W, items = p.K * chunks * bins;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < items; i += stride) {
-    const BinItem item = bin_item(i, bins, chunks);
-    const int64_t channels = min(int64_t(kChannels), p.C - item.c_begin);
-    const RoiBox<A> box = roi_box(boxes, item.k, p);
-    A acc[kChannels];
-#pragma unroll
-    for (int c = 0; c < kChannels; ++c) acc[c] = A(0);
-    if (box.image >= 0)
-      accumulate_bin<kChannels>(box, item.bin, input + (box.image * p.C + item.c_begin) * plane,
-                                channels, p, acc);
-    T* o = out + (item.k * p.C + item.c_begin) * bins + item.bin;
-#pragma unroll
-    for (int c = 0; c < kChannels; ++c)
-      if (c < channels) o[c * bins] = from_acc<T>(acc[c] / box.count);
-  }
 }
 
 template <class T>
@@ -113,8 +369,6 @@ __global__ void __launch_bounds__(kThreads)
     });
   }
 }
-
-// ---- box gradient ------------------------------------------------------------------------------
 
 // One block per box. Thread j takes the items (bin, channel chunk) j, j + kThreads, ... in order;
 // the four coordinate sums are kept in double and reduced over the block in a fixed tree.
@@ -154,9 +408,32 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- deterministic input gradient --------------------------------------------------------------
 
-// Row entries per box: every row its samples can touch, at most.
-int64_t row_capacity(int64_t H, int64_t PH, int64_t sampling_ratio) {
-  return sampling_ratio > 0 ? std::min(H, 2 * PH * sampling_ratio) : H;
+// One (input row, box, bin row) of the gather, with its box's column span.
+template <class A>
+struct RowEntry {
+  int32_t box;
+  int32_t bin_row;  // ph * PW
+  int32_t column_first;
+  int32_t column_count;
+  A weight;  // input_gradient_row_weight
+};
+
+// One (column, column bin) of a box; a box's entries lie column by column.
+template <class A>
+struct ColumnEntry {
+  int32_t bin;
+  A weight;
+};
+
+// (index, bin) pairs with a nonzero weight along an axis of `bins` bins and `extent` indices, per
+// box, at most: each valid sample weights at most two indices. A fixed grid has bins * ratio
+// samples; an adaptive one (ratio <= 0) has one per bin when bins are under a pixel, else samples
+// at most a pixel apart, of which at most 2 * extent + 11 are candidates (RoiAxis::candidates
+// widens [-1, extent] by up to a pixel a side and adds 5).
+int64_t axis_pair_capacity(int64_t bins, int64_t extent, int64_t sampling_ratio) {
+  const int64_t samples =
+      sampling_ratio > 0 ? bins * sampling_ratio : std::max(bins, 2 * extent + 13);
+  return std::min(bins * extent, 2 * samples);
 }
 
 // An upper bound of the temporary storage of CUB's onesweep radix sort of `items` 32-bit keys
@@ -169,80 +446,222 @@ int64_t cub_sort_bytes_bound(int64_t items) {
   return portions * (4 * 256 * 8 + 4 * 4) + (items / 1024 + 1) * 256 * 4 + 6 * 256;
 }
 
-constexpr int64_t kAlign = 256;
-
-int64_t aligned_size(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
-
-// Where each piece of the deterministic backward lives in the scratch buffer.
-struct ScratchLayout {
-  int64_t entries = 0;  // K * row capacity
-  int64_t geometry = 0, keys_in = 0, keys_out = 0, values_in = 0, values_out = 0, offsets = 0,
-          cub = 0, cub_bytes = 0, total = 0;
+// The forward's scratch: the NHWC staging of the input, then the sort of the boxes by image and
+// center row (keys, values, CUB temp storage).
+struct ForwardLayout {
+  int64_t nhwc = 0, keys_in = 0, keys_out = 0, values_in = 0, values_out = 0, cub = 0,
+          cub_bytes = 0, total = 0;
 };
 
-// The layout for N images of H rows, K boxes, PH bins and `sampling_ratio`; false if the entry
-// count or the row keys do not fit the 32-bit sort.
-bool scratch_layout(int64_t N, int64_t H, int64_t K, int64_t PH, int64_t sampling_ratio,
-                    ScratchLayout* s) {
-  const int64_t cap = row_capacity(H, PH, sampling_ratio);
-  s->entries = K * cap;
-  if (s->entries >= (int64_t(1) << 31) || N * H >= (int64_t(1) << 32) - 1) return false;
+bool forward_layout(int64_t N, int64_t C, int64_t H, int64_t W, int64_t K, int64_t element_bytes,
+                    ForwardLayout* s) {
+  if (K >= (int64_t(1) << 31) || N * H >= (int64_t(1) << 32) - 1) return false;
   int64_t at = 0;
   auto take = [&](int64_t bytes) {
     const int64_t offset = at;
     at += aligned_size(bytes);
     return offset;
   };
-  s->geometry = take(K * int64_t(sizeof(RoiBox<double>)));
+  s->nhwc = take(N * C * H * W * element_bytes);
+  s->keys_in = take(K * 4);
+  s->keys_out = take(K * 4);
+  s->values_in = take(K * 4);
+  s->values_out = take(K * 4);
+  s->cub_bytes = aligned_size(cub_sort_bytes_bound(K));
+  s->cub = take(s->cub_bytes);
+  s->total = at;
+  return true;
+}
+
+// Sort key of each box: image * H + the row of its center (clamped), N * H without an image.
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    roi_align_box_keys_kernel(const T* __restrict__ boxes, RoiAlignProblem p,
+                              uint32_t* __restrict__ keys, uint32_t* __restrict__ values) {
+  using A = acc_t<T>;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; k < p.K; k += stride) {
+    const RoiBox<A> box = roi_box(boxes, k, p);
+    const A center = box.y.start + A(0.5) * box.y.bin * A(p.PH);
+    int64_t row = 0;
+    if (center >= A(p.H - 1)) row = p.H - 1;
+    else if (center > A(0)) row = int64_t(center);
+    keys[k] = uint32_t(box.image >= 0 ? box.image * p.H + row : p.N * p.H);
+    values[k] = uint32_t(k);
+  }
+}
+
+ffi::Error cuda_status(const char* op, cudaError_t status) {
+  if (status == cudaSuccess) return ffi::Error::Success();
+  cudaGetLastError();  // clear it, if it was set
+  return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(status));
+}
+
+// Stable radix sort (CUB) of `count` (key, value) pairs with keys in [0, max_key], in temporary
+// storage of temp_bytes; the result is in keys.Current() and values.Current().
+ffi::Error sort_pairs(const char* op, cub::DoubleBuffer<uint32_t>& keys,
+                      cub::DoubleBuffer<uint32_t>& values, int64_t count, int64_t max_key,
+                      char* temp, int64_t temp_bytes, cudaStream_t stream) {
+  int end_bit = 1;
+  while (end_bit < 32 && (int64_t(1) << end_bit) <= max_key) ++end_bit;
+  size_t needed = 0;
+  if (auto err = cuda_status(op, cub::DeviceRadixSort::SortPairs(nullptr, needed, keys, values,
+                                                                  int(count), 0, end_bit, stream));
+      err.failure())
+    return err;
+  if (int64_t(needed) > temp_bytes)
+    return ffi::Error::Internal(std::string(op) + ": CUB needs " + std::to_string(needed) +
+                                " bytes of sort scratch, above the bound of " +
+                                std::to_string(temp_bytes));
+  return cuda_status(op, cub::DeviceRadixSort::SortPairs(temp, needed, keys, values, int(count), 0,
+                                                         end_bit, stream));
+}
+
+// Where each piece of the deterministic backward lives in the scratch buffer.
+struct GatherLayout {
+  int64_t row_capacity = 0, column_capacity = 0;  // entries per box
+  int64_t entries = 0;                            // K * row_capacity
+  int64_t dout = 0, keys_in = 0, keys_out = 0, values_in = 0, values_out = 0, rows = 0,
+          sorted_rows = 0, column_offsets = 0, columns = 0, row_offsets = 0, cub = 0,
+          cub_bytes = 0, total = 0;
+};
+
+// The layout of a problem with `element_bytes`-byte elements; false if its indices do not fit
+// the 32-bit entries and sort.
+bool gather_layout(int64_t N, int64_t C, int64_t H, int64_t W, int64_t K, int64_t PH, int64_t PW,
+                   int64_t sampling_ratio, int64_t element_bytes, GatherLayout* s) {
+  constexpr int64_t kLimit = int64_t(1) << 31;
+  s->row_capacity = axis_pair_capacity(PH, H, sampling_ratio);
+  s->column_capacity = axis_pair_capacity(PW, W, sampling_ratio);
+  s->entries = K * s->row_capacity;
+  if (s->entries >= kLimit || N * H >= (int64_t(1) << 32) - 1 || K * PH * PW >= kLimit ||
+      W >= kLimit || s->column_capacity >= kLimit)
+    return false;
+  const bool wide = element_bytes == 8;  // float64: double weights
+  const int64_t row_bytes = wide ? sizeof(RowEntry<double>) : sizeof(RowEntry<float>);
+  const int64_t column_bytes = wide ? sizeof(ColumnEntry<double>) : sizeof(ColumnEntry<float>);
+  int64_t at = 0;
+  auto take = [&](int64_t bytes) {
+    const int64_t offset = at;
+    at += aligned_size(bytes);
+    return offset;
+  };
+  s->dout = take(K * C * PH * PW * element_bytes);
   s->keys_in = take(s->entries * 4);
   s->keys_out = take(s->entries * 4);
   s->values_in = take(s->entries * 4);
   s->values_out = take(s->entries * 4);
-  s->offsets = take((N * H + 1) * 4);
+  s->rows = take(s->entries * row_bytes);
+  s->sorted_rows = take(s->entries * row_bytes);
+  s->column_offsets = take(K * (W + 1) * 4);
+  s->columns = take(K * s->column_capacity * column_bytes);
+  s->row_offsets = take((N * H + 1) * 4);
   s->cub_bytes = aligned_size(cub_sort_bytes_bound(s->entries));
   s->cub = take(s->cub_bytes);
   s->total = at;
   return true;
 }
 
-// Host query: arguments (N, H, K, PH, sampling_ratio) of the folded call; -1 if unsupported.
-int64_t backward_input_scratch_query(const std::vector<int64_t>& arguments) {
-  if (arguments.size() != 5) return -1;
-  ScratchLayout s;
-  if (!scratch_layout(arguments[0], arguments[1], arguments[2], arguments[3], arguments[4], &s))
-    return -1;
+// Host query: (N, C, H, W, K, PH, PW, sampling_ratio, element bytes) of the folded call -> scratch
+// bytes, or -1 if unsupported.
+int64_t backward_input_scratch_query(const std::vector<int64_t>& a) {
+  if (a.size() != 9) return -1;
+  GatherLayout s;
+  if (!gather_layout(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], &s)) return -1;
   return s.total;
 }
 
+// Host query: (N, C, H, W, K, element bytes) -> bytes of the forward's scratch, or -1.
+int64_t forward_scratch_query(const std::vector<int64_t>& a) {
+  if (a.size() != 6) return -1;
+  ForwardLayout s;
+  if (!forward_layout(a[0], a[1], a[2], a[3], a[4], a[5], &s)) return -1;
+  return s.total;
+}
+
+__device__ __forceinline__ int64_t warp_exclusive_sum(int64_t value, int64_t* total) {
+  const int lane = threadIdx.x % 32;
+  int64_t sum = value;
+  for (int d = 1; d < 32; d *= 2) {
+    const int64_t other = __shfl_up_sync(0xffffffffu, sum, d);
+    if (lane >= d) sum += other;
+  }
+  *total = __shfl_sync(0xffffffffu, sum, 31);
+  return sum - value;
+}
+
+// Two warps per box: one writes its column offsets and column entries, the other its row entries
+// (key image * H + row, value = entry index) in ascending row and bin, and the sentinel key N * H
+// in the unused slots. Entries past a capacity are dropped (the capacities bound them).
 template <class T>
 __global__ void __launch_bounds__(kThreads)
-    roi_align_rows_kernel(const T* __restrict__ boxes, RoiAlignProblem p, int64_t cap,
-                          RoiBox<acc_t<T>>* __restrict__ geometry, uint32_t* __restrict__ keys,
-                          uint32_t* __restrict__ values) {
+    roi_align_tables_kernel(const T* __restrict__ boxes, RoiAlignProblem p, GatherLayout layout,
+                            uint32_t* __restrict__ keys, uint32_t* __restrict__ values,
+                            RowEntry<acc_t<T>>* __restrict__ rows,
+                            uint32_t* __restrict__ column_offsets,
+                            ColumnEntry<acc_t<T>>* __restrict__ columns) {
   using A = acc_t<T>;
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * (kThreads / 32);
+  const int64_t row_capacity = layout.row_capacity, column_capacity = layout.column_capacity;
   const uint32_t sentinel = uint32_t(p.N * p.H);
-  for (int64_t k = (int64_t(blockIdx.x) * kThreads + threadIdx.x) / 32; k < p.K; k += warps) {
+  for (int64_t w = (int64_t(blockIdx.x) * kThreads + threadIdx.x) / 32; w < 2 * p.K; w += warps) {
+    const int64_t k = w / 2;
     const RoiBox<A> box = roi_box_with_spans(boxes, k, p);
-    if (lane == 0) geometry[k] = box;
-    int64_t count = 0;
-    if (box.image >= 0) {
-      for (int64_t h0 = box.y.span_first; h0 <= box.y.span_last; h0 += 32) {
-        const int64_t h = h0 + lane;
-        const bool touched = h <= box.y.span_last && touches(box.y, h, p.H);
-        const unsigned mask = __ballot_sync(0xffffffffu, touched);
-        const int64_t i = count + __popc(mask & ((1u << lane) - 1u));
-        if (touched && i < cap) {
-          keys[k * cap + i] = uint32_t(box.image * p.H + h);
-          values[k * cap + i] = uint32_t(k);
+    const int64_t column_first = box.x.span_first;
+    const int64_t column_count =
+        box.image >= 0 ? max(int64_t(0), box.x.span_last - box.x.span_first + 1) : 0;
+    int64_t written = 0;
+    if (w % 2 == 0) {
+      uint32_t* offsets = column_offsets + k * (p.W + 1);
+      ColumnEntry<A>* box_columns = columns + k * column_capacity;
+      for (int64_t j0 = 0; j0 < column_count; j0 += 32) {
+        const int64_t j = j0 + lane;
+        int64_t count = 0;
+        if (j < column_count)
+          for_each_index_bin(box.x, column_first + j, p.W, [&](int64_t, A) { ++count; });
+        int64_t sum;
+        int64_t i = written + warp_exclusive_sum(count, &sum);
+        if (j < column_count) {
+          offsets[j] = uint32_t(min(i, column_capacity));
+          for_each_index_bin(box.x, column_first + j, p.W, [&](int64_t bin, A weight) {
+            if (i < column_capacity) box_columns[i] = ColumnEntry<A>{int32_t(bin), weight};
+            ++i;
+          });
         }
-        count += __popc(mask);
+        written += sum;
       }
+      if (lane == 0) offsets[column_count] = uint32_t(min(written, column_capacity));
+      continue;
     }
-    for (int64_t i = count + lane; i < cap; i += 32) {
-      keys[k * cap + i] = sentinel;
-      values[k * cap + i] = uint32_t(k);
+    const int64_t row_first = box.y.span_first;
+    const int64_t row_count =
+        column_count > 0 ? max(int64_t(0), box.y.span_last - box.y.span_first + 1) : 0;
+    for (int64_t r0 = 0; r0 < row_count; r0 += 32) {
+      const int64_t row = row_first + r0 + lane;
+      int64_t count = 0;
+      if (r0 + lane < row_count)
+        for_each_index_bin(box.y, row, p.H, [&](int64_t, A) { ++count; });
+      int64_t sum;
+      int64_t i = written + warp_exclusive_sum(count, &sum);
+      if (r0 + lane < row_count) {
+        for_each_index_bin(box.y, row, p.H, [&](int64_t bin, A weight) {
+          if (i < row_capacity) {
+            const int64_t e = k * row_capacity + i;
+            keys[e] = uint32_t(box.image * p.H + row);
+            values[e] = uint32_t(e);
+            rows[e] = RowEntry<A>{int32_t(k), int32_t(bin * p.PW), int32_t(column_first),
+                                  int32_t(column_count), input_gradient_row_weight(box, weight)};
+          }
+          ++i;
+        });
+      }
+      written += sum;
+    }
+    for (int64_t i = min(written, row_capacity) + lane; i < row_capacity; i += 32) {
+      const int64_t e = k * row_capacity + i;
+      keys[e] = sentinel;
+      values[e] = uint32_t(e);
     }
   }
 }
@@ -262,59 +681,252 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <class T>
+// The row entries in sorted order (sentinel slots are never read).
+template <class A>
 __global__ void __launch_bounds__(kThreads)
-    roi_align_gather_kernel(const T* __restrict__ dout,
-                            const RoiBox<acc_t<T>>* __restrict__ geometry,
-                            const uint32_t* __restrict__ boxes_by_row,
-                            const uint32_t* __restrict__ offsets, T* __restrict__ d_input,
-                            RoiAlignProblem p, int64_t chunks) {
-  using A = acc_t<T>;
-  const int64_t bins = p.bins(), plane = p.H * p.W, items = p.N * chunks * plane;
+    roi_align_sort_rows_kernel(const uint32_t* __restrict__ keys,
+                               const uint32_t* __restrict__ values,
+                               const RowEntry<A>* __restrict__ rows,
+                               RowEntry<A>* __restrict__ sorted, int64_t entries,
+                               uint32_t sentinel) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < items; i += stride) {
-    const int64_t cell = i % plane, rest = i / plane;
-    const int64_t n = rest / chunks, c_begin = (rest % chunks) * kGatherChannels;
-    const int64_t h = cell / p.W, w = cell % p.W;
-    const int64_t channels = min(int64_t(kGatherChannels), p.C - c_begin);
-    A acc[kGatherChannels];
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < entries; i += stride)
+    if (keys[i] != sentinel) sorted[i] = rows[values[i]];
+}
+
+constexpr int kGatherChunk = 32;  // row entries a gather block stages at a time
+constexpr int kMaxCellsPerGroup = 2;
+
+// One staged entry's term at one cell of the block's run: the output-gradient row
+// (box * bins + bin) of its first column bin, its number of column bins there (0 when its box
+// misses the cell) and the first one's weight (input_gradient_weight).
+template <class A>
+struct CellTerm {
+  int32_t bin_index;
+  int32_t count;
+  A weight;
+};
+
+struct GatherLaunch {
+  ChannelSlabs slabs;
+  int64_t tile_cells;   // columns per block
+  int64_t row_tiles;    // blocks per input row and slab
+  int64_t tile_stride;  // shared-memory row of a channel's cells
+  int64_t column_capacity;
+  int cells_per_group;
+  int64_t entries_at, terms_at, shared_bytes;  // shared memory: tile, entries, terms
+};
+
+template <class T>
+GatherLaunch gather_launch(const RoiAlignProblem& p, int64_t column_capacity) {
+  using A = acc_t<T>;
+  GatherLaunch l;
+  l.slabs = channel_slabs(p.C, slab_channels<T>());
+  const int groups = kThreads / l.slabs.lanes;
+  l.tile_cells = std::max(kMaxCellsPerGroup * groups, 16);
+  for (;;) {
+    l.tile_stride = l.tile_cells + 1;
+    l.entries_at = aligned_size(l.slabs.slab * l.tile_stride * int64_t(sizeof(T)));
+    l.terms_at = l.entries_at + kGatherChunk * int64_t(sizeof(RowEntry<A>));
+    l.shared_bytes = l.terms_at + kGatherChunk * l.tile_cells * int64_t(sizeof(CellTerm<A>));
+    if (l.shared_bytes <= kGatherTileBytes || l.tile_cells == 1) break;
+    l.tile_cells /= 2;
+  }
+  l.cells_per_group = int((l.tile_cells + groups - 1) / groups);
+  l.row_tiles = (p.W + l.tile_cells - 1) / l.tile_cells;
+  l.column_capacity = column_capacity;
+  return l;
+}
+
+// Adds to acc the terms of column `cell` of the block's run from the staged entries [0, count):
+// the lanes of the group test an entry each, then the group walks the hits in entry order, two
+// at a time (both loads issued before the first is added). `slab` points at channel c0 of the
+// staged output gradient; a box with more than one column bin at the cell (rare) reads the
+// further ones from the column table.
+template <class T, int kPerLane, int kVec, class Index>
+__device__ __forceinline__ void gather_cell(const T* __restrict__ slab,
+                                            const RowEntry<acc_t<T>>* staged,
+                                            const CellTerm<acc_t<T>>* terms,
+                                            const uint32_t* __restrict__ column_offsets,
+                                            const ColumnEntry<acc_t<T>>* __restrict__ columns,
+                                            const RoiAlignProblem& p, const GatherLaunch& l,
+                                            int count, int64_t column, int cell, int channels,
+                                            int lane, int group_base, unsigned group_mask,
+                                            acc_t<T> (&acc)[kPerLane]) {
+  using A = acc_t<T>;
+  const int lanes = l.slabs.lanes;
+  const Index C = Index(p.C);
+  auto add = [&](const T (&values)[kPerLane], A weight) {
 #pragma unroll
-    for (int c = 0; c < kGatherChannels; ++c) acc[c] = A(0);
-    const int64_t row = n * p.H + h;
-    for (uint32_t e = offsets[row]; e < offsets[row + 1]; ++e) {
-      const int64_t k = boxes_by_row[e];
-      const T* box_dout = dout + (k * p.C + c_begin) * bins;
-      accumulate_cell_gradient<kGatherChannels>(geometry[k], h, w, box_dout, channels, p, acc);
+    for (int u = 0; u < kPerLane; ++u) acc[u] += input_gradient_term(values[u], weight);
+  };
+  auto add_further_bins = [&](int e, int32_t bin_count) {
+    const RowEntry<A>& entry = staged[e];
+    const uint32_t q0 =
+        column_offsets[int64_t(entry.box) * (p.W + 1) + column - entry.column_first];
+    for (uint32_t q = q0 + 1; q < q0 + uint32_t(bin_count); ++q) {
+      const ColumnEntry<A> bin = columns[entry.box * l.column_capacity + q];
+      T values[kPerLane];
+      load_slab<T, kPerLane, kVec>(
+          slab + (Index(entry.box) * Index(p.bins()) + Index(entry.bin_row + bin.bin)) * C, lanes,
+          lane, channels, values);
+      add(values, input_gradient_weight(entry.weight, bin.weight));
     }
-    T* out = d_input + (n * p.C + c_begin) * plane + cell;
+  };
+  for (int first = 0; first < count; first += lanes) {
+    const bool hit = first + lane < count && terms[(first + lane) * l.tile_cells + cell].count > 0;
+    unsigned hits = (__ballot_sync(group_mask, hit) & group_mask) >> group_base;
+    while (hits != 0) {
+      const int e0 = first + __ffs(hits) - 1;
+      hits &= hits - 1;
+      const bool pair = hits != 0;
+      const int e1 = pair ? first + __ffs(hits) - 1 : e0;
+      hits &= hits - 1;
+      const CellTerm<A> t0 = terms[e0 * l.tile_cells + cell], t1 = terms[e1 * l.tile_cells + cell];
+      T v0[kPerLane], v1[kPerLane];
+      load_slab<T, kPerLane, kVec>(slab + Index(t0.bin_index) * C, lanes, lane, channels, v0);
+      if (pair)
+        load_slab<T, kPerLane, kVec>(slab + Index(t1.bin_index) * C, lanes, lane, channels, v1);
+      add(v0, t0.weight);
+      if (t0.count > 1) add_further_bins(e0, t0.count);
+      if (pair) {
+        add(v1, t1.weight);
+        if (t1.count > 1) add_further_bins(e1, t1.count);
+      }
+    }
+  }
+}
+
+// Block item t = (slab, input row, run of columns), slabs slowest. The block stages the row's
+// entries kGatherChunk at a time with each entry's term at each cell of the run; group g keeps
+// the accumulators of cells g * cells_per_group, ... and writes them to a shared tile that the
+// block stores per channel.
+template <class T, int kPerLane, int kVec, class Index>
+__global__ void __launch_bounds__(kThreads, 3)
+    roi_align_gather_kernel(const T* __restrict__ dout_t, const uint32_t* __restrict__ row_offsets,
+                            const RowEntry<acc_t<T>>* __restrict__ entries,
+                            const uint32_t* __restrict__ column_offsets,
+                            const ColumnEntry<acc_t<T>>* __restrict__ columns,
+                            T* __restrict__ d_input, RoiAlignProblem p, GatherLaunch l) {
+  using A = acc_t<T>;
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  T* tile = reinterpret_cast<T*>(shared_bytes);
+  RowEntry<A>* staged = reinterpret_cast<RowEntry<A>*>(shared_bytes + l.entries_at);
+  CellTerm<A>* terms = reinterpret_cast<CellTerm<A>*>(shared_bytes + l.terms_at);
+  const int lanes = l.slabs.lanes;
+  const int lane = threadIdx.x % lanes, group = threadIdx.x / lanes;
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int group_base = int(threadIdx.x % 32) - lane;
+  const unsigned group_mask = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u) << group_base;
+  const int64_t bins = p.bins(), plane = p.H * p.W, rows = p.N * p.H;
+  const int64_t tiles = l.slabs.slabs * rows * l.row_tiles;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t rest = t / l.row_tiles, row = rest % rows;
+    const int64_t c0 = (rest / rows) * l.slabs.slab, x0 = (t % l.row_tiles) * l.tile_cells;
+    const int channels = int(min(l.slabs.slab, p.C - c0));
+    const int cells = int(min(l.tile_cells, p.W - x0));
+    const uint32_t e0 = row_offsets[row], e1 = row_offsets[row + 1];
+    A acc[kMaxCellsPerGroup][kPerLane];
 #pragma unroll
-    for (int c = 0; c < kGatherChannels; ++c)
-      if (c < channels) out[c * plane] = from_acc<T>(acc[c]);
+    for (int i = 0; i < kMaxCellsPerGroup; ++i)
+#pragma unroll
+      for (int u = 0; u < kPerLane; ++u) acc[i][u] = A(0);
+    for (uint32_t chunk = e0; chunk < e1; chunk += kGatherChunk) {
+      const int count = int(min(uint32_t(kGatherChunk), e1 - chunk));
+      for (int i = threadIdx.x; i < count; i += blockDim.x) staged[i] = entries[chunk + i];
+      __syncthreads();
+      for (int e = warp; e < count; e += warps) {
+        const RowEntry<A> entry = staged[e];
+        for (int c = threadIdx.x % 32; c < cells; c += 32) {
+          CellTerm<A> term{0, 0, A(0)};
+          const int64_t j = x0 + c - entry.column_first;
+          if (j >= 0 && j < entry.column_count) {
+            const uint32_t* offsets = column_offsets + int64_t(entry.box) * (p.W + 1) + j;
+            const uint32_t q0 = offsets[0], q1 = offsets[1];
+            if (q0 < q1) {
+              const ColumnEntry<A> bin = columns[entry.box * l.column_capacity + q0];
+              term = CellTerm<A>{int32_t(entry.box * bins + entry.bin_row + bin.bin),
+                                 int32_t(q1 - q0), input_gradient_weight(entry.weight, bin.weight)};
+            }
+          }
+          terms[e * l.tile_cells + c] = term;
+        }
+      }
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < kMaxCellsPerGroup; ++i) {
+        const int cell = group * l.cells_per_group + i;
+        if (i < l.cells_per_group && cell < cells)
+          gather_cell<T, kPerLane, kVec, Index>(dout_t + c0, staged, terms, column_offsets,
+                                                columns, p, l, count, x0 + cell, cell, channels,
+                                                lane, group_base, group_mask, acc[i]);
+      }
+      __syncthreads();  // the staged chunk is rewritten next
+    }
+#pragma unroll
+    for (int i = 0; i < kMaxCellsPerGroup; ++i) {
+      const int cell = group * l.cells_per_group + i;
+      if (i < l.cells_per_group && cell < cells)
+#pragma unroll
+        for (int u = 0; u < kPerLane; ++u) {
+          const int c = slab_channel<kVec>(u, lanes, lane);
+          if (c < channels) tile[c * l.tile_stride + cell] = from_acc<T>(acc[i][u]);
+        }
+    }
+    __syncthreads();
+    T* out = d_input + ((row / p.H) * p.C + c0) * plane + (row % p.H) * p.W + x0;
+    for (int c = warp; c < channels; c += warps)
+      for (int x = threadIdx.x % 32; x < cells; x += 32)
+        out[c * plane + x] = tile[c * l.tile_stride + x];
+    __syncthreads();  // the tile is rewritten for the next item
   }
 }
 
 // ---- handlers ----------------------------------------------------------------------------------
 
-ffi::Error cub_error(cudaError_t status) {
-  return ffi::Error::Internal(std::string("roi_align backward: CUB radix sort failed: ") +
-                              cudaGetErrorString(status));
-}
-
 int64_t channel_chunks(const RoiAlignProblem& p) { return (p.C + kChannels - 1) / kChannels; }
 
 ffi::Error roi_align_forward(cudaStream_t stream, ffi::AnyBuffer input, ffi::AnyBuffer boxes,
-                             RoiAlignAttrs attrs, ffi::Result<ffi::AnyBuffer> out) {
+                             RoiAlignAttrs attrs, ffi::Result<ffi::AnyBuffer> out,
+                             ffi::Result<ffi::AnyBuffer> scratch) {
+  const char* op = "roi_align";
   RoiAlignProblem p;
-  if (auto err = roi_align_problem("roi_align", attrs, input, boxes, *out, &p); err.failure())
-    return err;
-  const int64_t items = p.K * channel_chunks(p) * p.bins();
-  if (items == 0) return ffi::Error::Success();
-  return dispatch_float(input.element_type(), "roi_align", [&](auto tag) {
+  if (auto err = roi_align_problem(op, attrs, input, boxes, *out, &p); err.failure()) return err;
+  if (p.K * p.C * p.bins() == 0) return ffi::Error::Success();
+  ForwardLayout layout;
+  if (!forward_layout(p.N, p.C, p.H, p.W, p.K, int64_t(ffi::ByteWidth(input.element_type())),
+                      &layout))
+    return ffi::Error::InvalidArgument("roi_align: too many boxes or rows for the box sort");
+  if (int64_t(scratch->size_bytes()) < layout.total)
+    return ffi::Error::InvalidArgument("roi_align: scratch buffer smaller than the query's size");
+  char* base = static_cast<char*>(scratch->untyped_data());
+  return dispatch_float(input.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = typename decltype(tag)::type;
-    roi_align_forward_kernel<T><<<grid_blocks(items, kThreads), kThreads, 0, stream>>>(
-        static_cast<const T*>(input.untyped_data()), static_cast<const T*>(boxes.untyped_data()),
-        static_cast<T*>(out->untyped_data()), p, channel_chunks(p));
-    return launch_status("roi_align");
+    const T* box_data = static_cast<const T*>(boxes.untyped_data());
+    T* nhwc = reinterpret_cast<T*>(base + layout.nhwc);
+    transpose(static_cast<const T*>(input.untyped_data()), nhwc, p.N, p.C, p.H * p.W, stream);
+    uint32_t* keys_in = reinterpret_cast<uint32_t*>(base + layout.keys_in);
+    uint32_t* values_in = reinterpret_cast<uint32_t*>(base + layout.values_in);
+    roi_align_box_keys_kernel<T><<<grid_blocks(p.K, kThreads), kThreads, 0, stream>>>(
+        box_data, p, keys_in, values_in);
+    cub::DoubleBuffer<uint32_t> keys(keys_in, reinterpret_cast<uint32_t*>(base + layout.keys_out));
+    cub::DoubleBuffer<uint32_t> order(values_in,
+                                      reinterpret_cast<uint32_t*>(base + layout.values_out));
+    if (auto err = sort_pairs(op, keys, order, p.K, p.N * p.H, base + layout.cub, layout.cub_bytes,
+                              stream);
+        err.failure())
+      return err;
+    const ForwardLaunch l = forward_launch<T>(p);
+    const int64_t items = l.slabs.slabs * p.K * l.tiles;
+    const size_t shared = size_t(l.shared_bytes);
+    const bool narrow = p.H * p.W * p.C < (int64_t(1) << 31);
+    with_slab_kernel<T>(l.slabs, p.C % 4 == 0, narrow, [&](auto per_lane, auto vec, auto index) {
+      roi_align_forward_kernel<T, decltype(per_lane)::value, decltype(vec)::value,
+                               decltype(index)>
+          <<<grid_blocks(items * kThreads, kThreads), kThreads, shared, stream>>>(
+              nhwc, box_data, order.Current(), static_cast<T*>(out->untyped_data()), p, l);
+    });
+    return launch_status(op);
   });
 }
 
@@ -368,18 +980,17 @@ ffi::Error roi_align_backward_input_atomic(cudaStream_t stream, ffi::AnyBuffer d
 ffi::Error roi_align_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, ffi::AnyBuffer boxes,
                                     RoiAlignAttrs attrs, ffi::Result<ffi::AnyBuffer> d_input,
                                     ffi::Result<ffi::AnyBuffer> scratch) {
+  const char* op = "roi_align backward";
   RoiAlignProblem p;
-  if (auto err = roi_align_problem("roi_align backward", attrs, *d_input, boxes, dout, &p);
-      err.failure())
+  if (auto err = roi_align_problem(op, attrs, *d_input, boxes, dout, &p); err.failure())
     return err;
   if (d_input->size_bytes() == 0) return ffi::Error::Success();
-  if (p.K == 0) {
-    if (cudaMemsetAsync(d_input->untyped_data(), 0, d_input->size_bytes(), stream) != cudaSuccess)
-      return launch_status("roi_align backward");
-    return ffi::Error::Success();
-  }
-  ScratchLayout layout;
-  if (!scratch_layout(p.N, p.H, p.K, p.PH, p.sampling_ratio, &layout))
+  if (p.K == 0)
+    return cuda_status(op, cudaMemsetAsync(d_input->untyped_data(), 0, d_input->size_bytes(),
+                                           stream));
+  GatherLayout layout;
+  if (!gather_layout(p.N, p.C, p.H, p.W, p.K, p.PH, p.PW, p.sampling_ratio,
+                     int64_t(ffi::ByteWidth(dout.element_type())), &layout))
     return ffi::Error::InvalidArgument("roi_align backward: too many row entries for the sort");
   if (int64_t(scratch->size_bytes()) < layout.total)
     return ffi::Error::InvalidArgument(
@@ -389,43 +1000,46 @@ ffi::Error roi_align_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, ff
   uint32_t* keys_out = reinterpret_cast<uint32_t*>(base + layout.keys_out);
   uint32_t* values_in = reinterpret_cast<uint32_t*>(base + layout.values_in);
   uint32_t* values_out = reinterpret_cast<uint32_t*>(base + layout.values_out);
-  uint32_t* offsets = reinterpret_cast<uint32_t*>(base + layout.offsets);
-  const int64_t rows = p.N * p.H;
-  int end_bit = 1;
-  while (end_bit < 32 && (int64_t(1) << end_bit) <= rows) ++end_bit;  // the sentinel `rows` fits
+  uint32_t* column_offsets = reinterpret_cast<uint32_t*>(base + layout.column_offsets);
+  uint32_t* row_offsets = reinterpret_cast<uint32_t*>(base + layout.row_offsets);
+  const int64_t rows = p.N * p.H;  // also the sentinel key
 
-  return dispatch_float(dout.element_type(), "roi_align backward", [&](auto tag) -> ffi::Error {
+  return dispatch_float(dout.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = typename decltype(tag)::type;
     using A = acc_t<T>;
-    auto* geometry = reinterpret_cast<RoiBox<A>*>(base + layout.geometry);
-    const int64_t cap = row_capacity(p.H, p.PH, p.sampling_ratio);
-    roi_align_rows_kernel<T><<<grid_blocks(p.K * 32, kThreads), kThreads, 0, stream>>>(
-        static_cast<const T*>(boxes.untyped_data()), p, cap, geometry, keys_in, values_in);
-    if (auto err = launch_status("roi_align backward"); err.failure()) return err;
+    T* dout_t = reinterpret_cast<T*>(base + layout.dout);
+    auto* row_entries = reinterpret_cast<RowEntry<A>*>(base + layout.rows);
+    auto* sorted_rows = reinterpret_cast<RowEntry<A>*>(base + layout.sorted_rows);
+    auto* columns = reinterpret_cast<ColumnEntry<A>*>(base + layout.columns);
+    transpose(static_cast<const T*>(dout.untyped_data()), dout_t, p.K, p.C, p.bins(), stream);
+    roi_align_tables_kernel<T><<<grid_blocks(p.K * 64, kThreads), kThreads, 0, stream>>>(
+        static_cast<const T*>(boxes.untyped_data()), p, layout, keys_in, values_in, row_entries,
+        column_offsets, columns);
+    if (auto err = launch_status(op); err.failure()) return err;
 
     cub::DoubleBuffer<uint32_t> keys(keys_in, keys_out), values(values_in, values_out);
-    size_t cub_bytes = 0;
-    cudaError_t status = cub::DeviceRadixSort::SortPairs(nullptr, cub_bytes, keys, values,
-                                                         int(layout.entries), 0, end_bit, stream);
-    if (status != cudaSuccess) return cub_error(status);
-    if (int64_t(cub_bytes) > layout.cub_bytes)
-      return ffi::Error::Internal("roi_align backward: CUB needs " + std::to_string(cub_bytes) +
-                                  " bytes of sort scratch, above the bound of " +
-                                  std::to_string(layout.cub_bytes));
-    status = cub::DeviceRadixSort::SortPairs(base + layout.cub, cub_bytes, keys, values,
-                                             int(layout.entries), 0, end_bit, stream);
-    if (status != cudaSuccess) return cub_error(status);
+    if (auto err = sort_pairs(op, keys, values, layout.entries, rows, base + layout.cub,
+                              layout.cub_bytes, stream);
+        err.failure())
+      return err;
 
     roi_align_row_offsets_kernel<<<grid_blocks(rows + 1, kThreads), kThreads, 0, stream>>>(
-        keys.Current(), layout.entries, rows, offsets);
-    if (auto err = launch_status("roi_align backward"); err.failure()) return err;
+        keys.Current(), layout.entries, rows, row_offsets);
+    roi_align_sort_rows_kernel<A><<<grid_blocks(layout.entries, kThreads), kThreads, 0, stream>>>(
+        keys.Current(), values.Current(), row_entries, sorted_rows, layout.entries,
+        uint32_t(rows));
+    if (auto err = launch_status(op); err.failure()) return err;
 
-    const int64_t chunks = (p.C + kGatherChannels - 1) / kGatherChannels;
-    const int64_t items = p.N * chunks * p.H * p.W;
-    roi_align_gather_kernel<T><<<grid_blocks(items, kThreads), kThreads, 0, stream>>>(
-        static_cast<const T*>(dout.untyped_data()), geometry, values.Current(), offsets,
-        static_cast<T*>(d_input->untyped_data()), p, chunks);
-    return launch_status("roi_align backward");
+    const GatherLaunch l = gather_launch<T>(p, layout.column_capacity);
+    const int64_t tiles = l.slabs.slabs * rows * l.row_tiles;
+    const bool narrow = p.K * p.bins() * p.C < (int64_t(1) << 31);
+    with_slab_kernel<T>(l.slabs, p.C % 4 == 0, narrow, [&](auto per_lane, auto vec, auto index) {
+      roi_align_gather_kernel<T, decltype(per_lane)::value, decltype(vec)::value, decltype(index)>
+          <<<grid_blocks(tiles * kThreads, kThreads), kThreads, size_t(l.shared_bytes), stream>>>(
+              dout_t, row_offsets, sorted_rows, column_offsets, columns,
+              static_cast<T*>(d_input->untyped_data()), p, l);
+    });
+    return launch_status(op);
   });
 }
 
@@ -439,6 +1053,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignForwardCuda, roi_align_forward,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Attrs<RoiAlignAttrs>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>(),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignBackwardInputCuda, roi_align_backward_input,
@@ -469,14 +1084,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignBackwardBoxesCuda, roi_align_backward_boxe
                               {ffi::Traits::kCmdBufferCompatible});
 
 JK_REGISTER_TARGET("jk_roi_align_fwd", RoiAlignForwardCuda, "roi_align", "forward",
-                   "cuda per-bin samples reused over channels", "bitwise");
+                   "cuda NHWC staging + channel-slab gather", "bitwise");
 JK_REGISTER_TARGET("jk_roi_align_bwd_input", RoiAlignBackwardInputCuda, "roi_align",
-                   "backward d_input", "cuda row sort (CUB) + ordered gather", "bitwise");
+                   "backward d_input", "cuda row-entry sort (CUB) + channel-slab ordered gather",
+                   "bitwise");
 JK_REGISTER_TARGET("jk_roi_align_bwd_input_atomic", RoiAlignBackwardInputAtomicCuda, "roi_align",
                    "backward d_input (deterministic=False)", "cuda atomicAdd (float32/float64)",
                    "not bitwise (atomics)");
 JK_REGISTER_TARGET("jk_roi_align_bwd_boxes", RoiAlignBackwardBoxesCuda, "roi_align",
                    "backward d_boxes", "cuda per-box block reduction (float64)", "bitwise");
+JK_REGISTER_QUERY("roi_align_forward_scratch", forward_scratch_query);
 JK_REGISTER_QUERY("roi_align_backward_input_scratch", backward_input_scratch_query);
 
 }  // namespace jax_kernels

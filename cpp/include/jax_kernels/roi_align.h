@@ -1,7 +1,8 @@
 // roi_align math (torchvision.ops.roi_align semantics), host and device: the static problem, the
 // geometry of one box (bin sizes, sample grid, sample positions), the bilinear weights of one
 // sample along one axis, the derivatives of sample positions with respect to the box
-// coordinates, and the search for the samples that can reach a range of input rows or columns.
+// coordinates, the search for the samples that can reach a range of input rows or columns, and
+// the per-bin weights of one input row or column that the input gradient is built from.
 //
 // A box's samples are separable: sample (ty, tx) sits at (y(ty), x(tx)), where
 // ty = ph * grid_h + iy indexes the samples of all bins along y, and the bilinear weight of input
@@ -125,10 +126,12 @@ struct RoiAxis {
 
   JK_HD int64_t samples() const { return bins * grid; }
 
-  // Position of sample t = bin * grid + sub, in torchvision's order of operations.
+  // Position of sample t = b * grid + sub, in torchvision's order of operations.
   JK_HD A position(int64_t t) const {
     const int64_t b = t / grid;
-    const int64_t sub = t - b * grid;
+    return position_in_bin(b, t - b * grid);
+  }
+  JK_HD A position_in_bin(int64_t b, int64_t sub) const {
     return start + A(b) * bin + A(float(sub) + 0.5f) * bin / A(grid);
   }
 
@@ -291,21 +294,44 @@ JK_HD RoiBox<acc_t<T>> roi_box_with_spans(const T* boxes, int64_t k, const RoiAl
 
 // ---- sample loops shared by every pass on both backends -----------------------------------------
 
-// Calls f(ty, sy, tx, sx) for every valid sample of bin `bin` (= ph * PW + pw), rows outer and
+// The candidate samples of bin `bin` (= ph * PW + pw): rows [ty0, ty1) and columns [tx0, tx1)
+// of the box's sample grid (global indices: ty = ph * grid_h + iy).
+struct BinCandidates {
+  int64_t ph, pw, ty0, ty1, tx0, tx1;
+};
+
+template <class A>
+JK_HD BinCandidates bin_sample_candidates(const RoiBox<A>& box, int64_t bin,
+                                          const RoiAlignProblem& p) {
+  BinCandidates c;
+  c.ph = bin / p.PW;
+  c.pw = bin - c.ph * p.PW;
+  bin_candidates(box.y, c.ph, p.H, &c.ty0, &c.ty1);
+  bin_candidates(box.x, c.pw, p.W, &c.tx0, &c.tx1);
+  return c;
+}
+
+// Calls f(ty, sy, tx, sx) for every valid sample among the candidates c of a bin, rows outer and
 // columns inner, each in ascending order.
 template <class A, class F>
-JK_HD void for_each_bin_sample(const RoiBox<A>& box, int64_t bin, const RoiAlignProblem& p, F&& f) {
-  int64_t ty0, ty1, tx0, tx1;
-  bin_candidates(box.y, bin / p.PW, p.H, &ty0, &ty1);
-  bin_candidates(box.x, bin % p.PW, p.W, &tx0, &tx1);
-  for (int64_t ty = ty0; ty < ty1; ++ty) {
-    const AxisSample<A> sy = axis_sample(box.y.position(ty), p.H);
+JK_HD void for_each_bin_sample(const RoiBox<A>& box, const BinCandidates& c,
+                               const RoiAlignProblem& p, F&& f) {
+  for (int64_t ty = c.ty0; ty < c.ty1; ++ty) {
+    const AxisSample<A> sy =
+        axis_sample(box.y.position_in_bin(c.ph, ty - c.ph * box.y.grid), p.H);
     if (!sy.valid) continue;
-    for (int64_t tx = tx0; tx < tx1; ++tx) {
-      const AxisSample<A> sx = axis_sample(box.x.position(tx), p.W);
+    for (int64_t tx = c.tx0; tx < c.tx1; ++tx) {
+      const AxisSample<A> sx =
+          axis_sample(box.x.position_in_bin(c.pw, tx - c.pw * box.x.grid), p.W);
       if (sx.valid) f(ty, sy, tx, sx);
     }
   }
+}
+
+// The same for bin `bin` (= ph * PW + pw).
+template <class A, class F>
+JK_HD void for_each_bin_sample(const RoiBox<A>& box, int64_t bin, const RoiAlignProblem& p, F&& f) {
+  for_each_bin_sample(box, bin_sample_candidates(box, bin, p), p, f);
 }
 
 // Calls f(t, weight) for every sample t along `axis` that gives input index i a nonzero weight,
@@ -322,31 +348,49 @@ JK_HD void for_each_index_sample(const RoiAxis<A>& axis, int64_t i, int64_t exte
   }
 }
 
-// Whether some valid sample along `axis` gives input index i a nonzero weight.
-template <class A>
-JK_HD bool touches(const RoiAxis<A>& axis, int64_t i, int64_t extent) {
-  bool touched = false;
-  for_each_index_sample(axis, i, extent, [&](int64_t, A) { touched = true; });
-  return touched;
+// Calls f(bin, weight) for every bin of `axis` whose valid samples give input index i a nonzero
+// weight, in ascending bin order; weight is the sum of those samples' weights at i, added in
+// ascending sample order. The input gradient of cell (h, w) from one box is the sum over its
+// (row bin, row weight) pairs at h and (column bin, column weight) pairs at w of
+// input_gradient_term(dout[box, c, row bin * PW + column bin], input_gradient_weight(
+// input_gradient_row_weight(box, row weight), column weight)).
+template <class A, class F>
+JK_HD void for_each_index_bin(const RoiAxis<A>& axis, int64_t i, int64_t extent, F&& f) {
+  int64_t bin = -1;
+  A weight = A(0);
+  for_each_index_sample(axis, i, extent, [&](int64_t t, A w) {
+    const int64_t b = t / axis.grid;
+    if (b != bin) {
+      if (bin >= 0) f(bin, weight);
+      bin = b;
+      weight = A(0);
+    }
+    weight += w;
+  });
+  if (bin >= 0) f(bin, weight);
 }
 
-// Calls f(bin, wy, wx) for every sample of `box` that gives input cell (h, w) a nonzero bilinear
-// weight wy * wx, in ascending (ty, tx) order: the input gradient of the cell is the sum over the
-// boxes of its image of dout[box, c, bin] * (wy * wx) / count. With the boxes taken in index
-// order, this fixes the order of every sum of the input gradient.
-template <class A, class F>
-JK_HD void for_each_cell_sample(const RoiBox<A>& box, int64_t h, int64_t w,
-                                const RoiAlignProblem& p, F&& f) {
-  if (w < box.x.span_first || w > box.x.span_last) return;  // before the search along y
-  for_each_index_sample(box.y, h, p.H, [&](int64_t ty, A wy) {
-    const int64_t bin_row = (ty / box.y.grid) * p.PW;
-    for_each_index_sample(box.x, w, p.W,
-                          [&](int64_t tx, A wx) { f(bin_row + tx / box.x.grid, wy, wx); });
-  });
+// The weight of one term of an input-gradient cell: its row bin weight over the box's sample
+// count, times its column bin weight.
+template <class A>
+JK_HD A input_gradient_row_weight(const RoiBox<A>& box, A row_bin_weight) {
+  return row_bin_weight / box.count;
+}
+template <class A>
+JK_HD A input_gradient_weight(A row_weight, A column_weight) {
+  return row_weight * column_weight;
+}
+
+// One term of an input-gradient cell: the output gradient of a bin times its weight. Both backends
+// add these terms per cell with boxes in index order, then row bins, then column bins in
+// ascending order.
+template <class T, class A>
+JK_HD A input_gradient_term(T dout, A weight) {
+  return to_acc(dout) * weight;
 }
 
 // The four taps of a sample in a channel plane with torchvision's weights w1 = hy hx, w2 = hy lx,
-// w3 = ly hx, w4 = ly lx.
+// w3 = ly hx, w4 = ly lx; the offsets count cells (h * W + w).
 template <class A>
 struct BilinearTaps {
   int64_t o1, o2, o3, o4;
@@ -393,20 +437,6 @@ JK_HD void accumulate_bin(const RoiBox<A>& box, int64_t bin, const T* planes, in
 ROI_ALIGN_UNROLL
     for (int c = 0; c < kChannels; ++c)
       if (c < channels) acc[c] += taps.value(planes + c * plane);
-  });
-}
-
-// Input gradient: acc[c] += the contributions of `box` to input cell (h, w), where box_dout
-// points at dout[box, first channel, 0, 0].
-template <int kChannels, class T, class A>
-JK_HD void accumulate_cell_gradient(const RoiBox<A>& box, int64_t h, int64_t w, const T* box_dout,
-                                    int64_t channels, const RoiAlignProblem& p,
-                                    A (&acc)[kChannels]) {
-  const int64_t bins = p.bins();
-  for_each_cell_sample(box, h, w, p, [&](int64_t bin, A wy, A wx) {
-ROI_ALIGN_UNROLL
-    for (int c = 0; c < kChannels; ++c)
-      if (c < channels) acc[c] += to_acc(box_dout[c * bins + bin]) * (wy * wx) / box.count;
   });
 }
 
