@@ -80,5 +80,5 @@ for dtype in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64):
                              argnums=(0, 1, 2))
         jax.block_until_ready(conv_grad(x, w, b))
     jax.block_until_ready(jax.vmap(conv_grad, in_axes=(None, 0, 0))(x, jnp.stack([w, -w]), jnp.stack([b, b])))
-    jax.block_until_ready(jax.grad(lambda w: jnp.sum(jk.conv2d(x[:0], w).astype(jnp.float32)))(w))
+    jax.block_until_ready(jax.grad(lambda w: jnp.sum(jk.conv2d(x[:0], w, **options).astype(jnp.float32)))(w))
 print("sanitize cases ran")
