@@ -47,37 +47,6 @@ std::vector<float> smooth_grid(int n, int ho, int wo) {
   return grid;
 }
 
-// The forward kernel's body (float, bilinear, 2-D, 32-bit indices) with the occupancy bound
-// and the channel unrolling as parameters.
-template <int kMinBlocks, int kUnroll>
-__global__ void __launch_bounds__(kThreads, kMinBlocks)
-    forward_variant(const float* __restrict__ input, const float* __restrict__ grid,
-                    float* __restrict__ out, GridSampleCall call) {
-  using Taps = PointTaps<float, int32_t, GridSampleMode::kBilinear, 2>;
-  const GridSampleGeometry& g = call.geometry;
-  const int32_t points = int32_t(g.points), channels = int32_t(g.channels), cells = int32_t(g.cells);
-  const int32_t total = int32_t(g.batch) * points;
-  const int32_t stride = int32_t(gridDim.x) * blockDim.x;
-  for (int32_t q = int32_t(blockIdx.x) * blockDim.x + threadIdx.x; q < total; q += stride) {
-    const int32_t m = q / points;
-    const int32_t p = q - m * points;
-    float coord[2];
-    load_coordinates<float, int32_t, 2>(grid, int32_t(call.grid_map(m)), p, points, coord);
-    Taps taps;
-    taps.template compute<false>(g, coord);
-    const float* in = input + int32_t(call.input_map(m)) * channels * cells;
-    float* o = out + m * channels * points + p;
-#pragma unroll kUnroll
-    for (int32_t c = threadIdx.y; c < channels; c += blockDim.y) {
-      const float* plane = in + c * cells;
-      float sum = 0.f;
-      JK_UNROLL
-      for (int t = 0; t < Taps::kCount; ++t) sum += taps.weight[t] * tap_value<float>(plane, taps, t);
-      o[c * points] = sum;
-    }
-  }
-}
-
 template <class F>
 float median_ms(F&& launch, int reps = 20, int rounds = 15) {
   cudaEvent_t start, stop;
@@ -109,6 +78,86 @@ float copy_bandwidth_gbs() {
   CHECK(cudaFree(a));
   CHECK(cudaFree(b));
   return 2.0f * bytes / (ms * 1e-3f) / 1e9f;
+}
+
+// The two backward passes of the same case (dout = the forward's output): d_grid over
+// occupancy bounds, the deterministic d_input whole, over the gather's occupancy bound.
+void backward(const GridSampleCall& forward_call, const float* in, const float* grid,
+              const float* dout, int n, int c, int h, int w, bool profile, float bandwidth) {
+  using Index = int32_t;
+  constexpr GridSampleMode kMode = GridSampleMode::kBilinear;
+  const size_t elements = size_t(n) * c * h * w, grid_elements = size_t(n) * h * w * 2;
+  const double tensor_ms = elements * 4 / (bandwidth * 1e9) * 1e3;
+  const double grid_ms = grid_elements * 4 / (bandwidth * 1e9) * 1e3;
+  GridSampleCall call = forward_call;  // same geometry; dout is batched like the output
+  call.dout_map = BatchMap{};
+  const GridSampleGeometry& g = call.geometry;
+  const PointLaunch launch = launch_over_points(g.batch * g.points, g.channels);
+  float *d_grid, *d_input;
+  CHECK(cudaMalloc(&d_grid, grid_elements * 4));
+  CHECK(cudaMalloc(&d_input, elements * 4));
+  const SortedLayout layout = sorted_layout(g.batch, g.points, 4, g.cells, 4);
+  char* scratch;
+  CHECK(cudaMalloc(&scratch, layout.total));
+  auto d_input_with = [&](auto gather_blocks) {
+    constexpr int kGather = decltype(gather_blocks)::value;
+    const ffi::Error e = backward_input_sorted<float, uint32_t, Index, kMode, 2, kGather>(
+        0, call, layout, dout, grid, d_input, scratch);
+    if (e.failure()) {
+      std::printf("d_input failed\n");
+      std::exit(1);
+    }
+  };
+  if (profile) {
+    backward_grid_kernel<float, Index, kMode, 2><<<launch.grid, launch.block, 0, 0>>>(
+        dout, in, grid, d_grid, call);
+    d_input_with(std::integral_constant<int, 1>{});
+    CHECK(cudaDeviceSynchronize());
+  } else {
+    // d_grid reads dout and input, writes the grid-sized result.
+    const double grid_floor = 2 * tensor_ms + 2 * grid_ms;
+    std::vector<float> first(grid_elements), again(grid_elements);
+    auto d_grid_variant = [&](auto kernel, const char* name) {
+      kernel<<<launch.grid, launch.block, 0, 0>>>(dout, in, grid, d_grid, call);
+      CHECK(cudaGetLastError());
+      CHECK(cudaMemcpy(again.data(), d_grid, grid_elements * 4, cudaMemcpyDeviceToHost));
+      const float t = median_ms([&] {
+        kernel<<<launch.grid, launch.block, 0, 0>>>(dout, in, grid, d_grid, call);
+        CHECK(cudaGetLastError());
+      });
+      std::printf("  d_grid, %-22s %.4f ms (%.2fx floor)%s\n", name, t, t / grid_floor,
+                  std::memcmp(first.data(), again.data(), grid_elements * 4) == 0
+                      ? ""
+                      : "  OUTPUT DIFFERS");
+    };
+    backward_grid_kernel<float, Index, kMode, 2><<<launch.grid, launch.block, 0, 0>>>(
+        dout, in, grid, d_grid, call);
+    CHECK(cudaMemcpy(first.data(), d_grid, grid_elements * 4, cudaMemcpyDeviceToHost));
+    d_grid_variant(backward_grid_kernel<float, Index, kMode, 2>, "default:");
+    d_grid_variant(backward_grid_kernel<float, Index, kMode, 2, 1>, "compiler's choice:");
+    d_grid_variant(backward_grid_kernel<float, Index, kMode, 2, 6>, "6 blocks/SM:");
+    d_grid_variant(backward_grid_kernel<float, Index, kMode, 2, 8>, "8 blocks/SM:");
+    // d_input reads dout and the grid, writes the input-sized result.
+    const double input_floor = 2 * tensor_ms + grid_ms;
+    std::vector<float> d_first(elements), d_again(elements);
+    d_input_with(std::integral_constant<int, 1>{});
+    CHECK(cudaMemcpy(d_first.data(), d_input, elements * 4, cudaMemcpyDeviceToHost));
+    auto d_input_variant = [&](auto gather_blocks, const char* name) {
+      d_input_with(gather_blocks);
+      CHECK(cudaMemcpy(d_again.data(), d_input, elements * 4, cudaMemcpyDeviceToHost));
+      const float t = median_ms([&] { d_input_with(gather_blocks); });
+      std::printf("  d_input, gather %-15s %.4f ms (%.2fx floor)%s\n", name, t, t / input_floor,
+                  std::memcmp(d_first.data(), d_again.data(), elements * 4) == 0
+                      ? ""
+                      : "  OUTPUT DIFFERS");
+    };
+    d_input_variant(std::integral_constant<int, 1>{}, "default:");
+    d_input_variant(std::integral_constant<int, 6>{}, "6 blocks/SM:");
+    d_input_variant(std::integral_constant<int, 8>{}, "8 blocks/SM:");
+  }
+  CHECK(cudaFree(d_grid));
+  CHECK(cudaFree(d_input));
+  CHECK(cudaFree(scratch));
 }
 
 void run_case(int n, int c, int h, int w, bool profile, float bandwidth) {
@@ -148,7 +197,10 @@ void run_case(int n, int c, int h, int w, bool profile, float bandwidth) {
   };
   launch_with(chosen, reference);
   CHECK(cudaDeviceSynchronize());
-  if (profile) return;
+  if (profile) {
+    backward(call, in, grid, reference, n, c, h, w, profile, bandwidth);
+    return;
+  }
   std::printf("grid_sample fwd N%d C%d %dx%d f32 bilinear zeros: floor %.4f ms, default slices %u\n",
               n, c, h, w, floor_ms, chosen.block.y);
   for (int slices : {1, 2, 4, 8}) {
@@ -176,12 +228,16 @@ void run_case(int n, int c, int h, int w, bool profile, float bandwidth) {
       std::printf("  slices %d, %-22s %.4f ms (%.2fx floor)%s\n", slices, name, t, t / floor_ms,
                   same ? "" : "  OUTPUT DIFFERS");
     };
-    variant(forward_variant<1, 2>, "unroll 2:");
-    variant(forward_variant<1, 8>, "unroll 8:");
-    variant(forward_variant<8, 2>, "8 blocks/SM, unroll 2:");
-    variant(forward_variant<8, 4>, "8 blocks/SM, unroll 4:");
-    variant(forward_variant<8, 8>, "8 blocks/SM, unroll 8:");
+    using Index = int32_t;
+    constexpr GridSampleMode kMode = GridSampleMode::kBilinear;
+    variant(forward_kernel<float, Index, kMode, 2, 1, 2>, "unroll 2:");
+    variant(forward_kernel<float, Index, kMode, 2, 1, 4>, "unroll 4:");
+    variant(forward_kernel<float, Index, kMode, 2, 1, 8>, "unroll 8:");
+    variant(forward_kernel<float, Index, kMode, 2, 8, 2>, "8 blocks/SM, unroll 2:");
+    variant(forward_kernel<float, Index, kMode, 2, 8, 4>, "8 blocks/SM, unroll 4:");
+    variant(forward_kernel<float, Index, kMode, 2, 8, 8>, "8 blocks/SM, unroll 8:");
   }
+  backward(call, in, grid, out, n, c, h, w, profile, bandwidth);
   CHECK(cudaFree(in));
   CHECK(cudaFree(grid));
   CHECK(cudaFree(out));
