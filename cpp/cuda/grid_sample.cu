@@ -216,20 +216,15 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- backward d_input, deterministic: sort entries by cell, then gather -------------------------
 
-// Where the sorted path keeps its arrays in the scratch buffer. Entries are (point, tap) pairs,
-// point-major: entry e = q * taps + t, so the entries of batch row m come before those of row
-// m + 1. The key of an entry is (m << cell_bits) | offset, with offset = cells (above every
-// real cell) for a tap outside the input. The radix sort orders only the low cell_bits bits:
-// being stable over point-major entries, it groups the entries by (offset, m), each group in
-// entry order, with the outside taps last. That takes as many sort passes as one image's cells
-// need rather than the whole batch's (the N32 64x64 case: 13 bits, 2 passes instead of 3).
-// Narrow problems use 32-bit keys and indices.
+// Where the sorted path keeps its arrays in the scratch buffer. Entries are (tap, point) pairs,
+// tap-major: entry e = t * total_points + q. Keys are cells m * cells + offset, or the sentinel
+// batch * cells for a tap outside the input. Narrow problems use 32-bit keys and indices.
 struct SortedLayout {
   bool narrow = true;
   int key_bytes = 4;
   int64_t entries = 0;
-  int64_t slots = 0;  // batch * cells: the cells that starts / ends describe
-  int end_bit = 0;    // cell_bits
+  int64_t sentinel = 0;
+  int end_bit = 0;
   size_t keys[2], values[2], weights, sorted_weights, starts, ends, cub_temp, cub_temp_bytes;
   size_t total = 0;  // bytes, including slack to align the base
 };
@@ -266,11 +261,10 @@ SortedLayout sorted_layout(int64_t batch, int64_t points, int64_t taps, int64_t 
                            int acc_bytes) {
   SortedLayout l;
   l.entries = batch * points * taps;
-  l.slots = batch * cells;
-  l.end_bit = bit_width(uint64_t(cells));  // offsets 0..cells fit
-  const int64_t largest_key = int64_t(batch) << l.end_bit;
-  l.narrow = l.entries < (int64_t{1} << 31) && largest_key < (int64_t{1} << 31);
+  l.sentinel = batch * cells;
+  l.narrow = l.entries < (int64_t{1} << 31) && l.sentinel < (int64_t{1} << 31);
   l.key_bytes = l.narrow ? 4 : 8;
+  l.end_bit = bit_width(uint64_t(l.sentinel));
   size_t at = 0;
   const auto take = [&](size_t bytes) {
     const size_t offset = at;
@@ -284,8 +278,8 @@ SortedLayout sorted_layout(int64_t batch, int64_t points, int64_t taps, int64_t 
   l.values[1] = take(entry_keys);
   l.weights = take(size_t(l.entries) * acc_bytes);
   l.sorted_weights = take(size_t(l.entries) * acc_bytes);
-  l.starts = take(size_t(l.slots) * l.key_bytes);
-  l.ends = take(size_t(l.slots) * l.key_bytes);
+  l.starts = take(size_t(l.sentinel) * l.key_bytes);
+  l.ends = take(size_t(l.sentinel) * l.key_bytes);
   l.cub_temp_bytes = cub_temp_bound(l.entries, l.end_bit);
   l.cub_temp = take(l.cub_temp_bytes);
   l.total = at + kAlign;
@@ -307,7 +301,7 @@ template <class T, class Key, class Index, GridSampleMode kMode, int kDims>
 __global__ void __launch_bounds__(kThreads)
     build_entries_kernel(const T* __restrict__ grid, Key* __restrict__ keys,
                          Key* __restrict__ values, acc_t<T>* __restrict__ weights,
-                         GridSampleCall call, int cell_bits) {
+                         GridSampleCall call, Key sentinel) {
   using A = acc_t<T>;
   using Taps = PointTaps<A, Index, kMode, kDims>;
   const GridSampleGeometry& g = call.geometry;
@@ -323,34 +317,31 @@ __global__ void __launch_bounds__(kThreads)
     taps.template compute<false>(g, coord);
     JK_UNROLL
     for (int t = 0; t < Taps::kCount; ++t) {
-      const Index e = q * Index(Taps::kCount) + Index(t);
-      keys[e] = (Key(m) << cell_bits) | Key(taps.valid[t] ? taps.offset[t] : cells);
+      const Index e = Index(t) * total + q;
+      keys[e] = taps.valid[t] ? Key(m * cells + taps.offset[t]) : sentinel;
       values[e] = Key(e);
       weights[e] = taps.weight[t];
     }
   }
 }
 
-// Marks the segment [start, end) of each (batch row, cell) in the sorted keys, at slot
-// m * cells + offset, and lays out the entries' points (within their batch row) and weights in
-// sorted order for the gather. Cells without entries keep start = end = 0.
+// Marks the segment [start, end) of each cell in the sorted keys, and lays out the entries'
+// points (within their batch row) and weights in sorted order for the gather. Cells without
+// entries keep start = end = 0.
 template <class A, class Key>
 __global__ void __launch_bounds__(kThreads)
     segment_kernel(const Key* __restrict__ keys, const Key* __restrict__ values,
                    const A* __restrict__ weights, Key* __restrict__ starts, Key* __restrict__ ends,
                    Key* __restrict__ sorted_points, A* __restrict__ sorted_weights, Key entries,
-                   Key taps, Key points, Key cells, int cell_bits) {
+                   Key total_points, Key points, Key sentinel) {
   const Key stride = Key(gridDim.x) * blockDim.x;
-  const Key low = (Key(1) << cell_bits) - 1;
   for (Key i = Key(blockIdx.x) * blockDim.x + threadIdx.x; i < entries; i += stride) {
     const Key key = keys[i];
-    const Key offset = key & low;
-    if (offset == cells) continue;  // out-of-input taps sort last
-    const Key slot = (key >> cell_bits) * cells + offset;
-    if (i == 0 || keys[i - 1] != key) starts[slot] = i;
-    if (i + 1 == entries || keys[i + 1] != key) ends[slot] = i + 1;
+    if (key == sentinel) continue;  // out-of-input taps sort last
+    if (i == 0 || keys[i - 1] != key) starts[key] = i;
+    if (i + 1 == entries || keys[i + 1] != key) ends[key] = i + 1;
     const Key e = values[i];
-    sorted_points[i] = e / taps % points;
+    sorted_points[i] = e % total_points % points;
     sorted_weights[i] = weights[e];
   }
 }
@@ -505,11 +496,10 @@ ffi::Error backward_input_sorted(cudaStream_t stream, const GridSampleCall& call
   Key* starts = reinterpret_cast<Key*>(scratch + l.starts);
   Key* ends = reinterpret_cast<Key*>(scratch + l.ends);
   const int64_t total_points = g.batch * g.points;
-  constexpr int taps = PointTaps<A, Index, kMode, kDims>::kCount;
 
   build_entries_kernel<T, Key, Index, kMode, kDims>
       <<<grid_blocks(total_points, kThreads), kThreads, 0, stream>>>(
-          grid, keys[0], values[0], weights, call, l.end_bit);
+          grid, keys[0], values[0], weights, call, Key(l.sentinel));
   if (auto error = launch_status(op); error.failure()) return error;
 
   cub::DoubleBuffer<Key> key_buffers(keys[0], keys[1]);
@@ -533,7 +523,7 @@ ffi::Error backward_input_sorted(cudaStream_t stream, const GridSampleCall& call
                                                                     stream));
       error.failure())
     return error;
-  const size_t bounds_bytes = size_t(l.slots) * sizeof(Key);
+  const size_t bounds_bytes = size_t(l.sentinel) * sizeof(Key);
   for (Key* bounds : {starts, ends})
     if (auto error = call_status(op, cudaMemsetAsync(bounds, 0, bounds_bytes, stream));
         error.failure())
@@ -541,7 +531,7 @@ ffi::Error backward_input_sorted(cudaStream_t stream, const GridSampleCall& call
   Key* sorted_points = value_buffers.Alternate();
   segment_kernel<A, Key><<<grid_blocks(l.entries, kThreads), kThreads, 0, stream>>>(
       key_buffers.Current(), value_buffers.Current(), weights, starts, ends, sorted_points,
-      sorted_weights, Key(l.entries), Key(taps), Key(g.points), Key(g.cells), l.end_bit);
+      sorted_weights, Key(l.entries), Key(total_points), Key(g.points), Key(l.sentinel));
   if (auto error = launch_status(op); error.failure()) return error;
 
   const int64_t cells = g.batch * g.cells;
