@@ -249,12 +249,14 @@ template <class T>
 __device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4],
                                             const uint32_t (&b)[2]) {
   if constexpr (std::is_same_v<T, bfloat16>) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
@@ -429,14 +431,6 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
   const auto next_unit = [&](int& mi, int& ni) {
     for (ni += G.warps_per_plane; ni >= G.nt; ni -= G.nt) ++mi;
   };
-  // The warp's tiles and the offsets of their 16 x 16 windows in the plane's tile.
-  const int my_units = (G.mt * G.nt - wp + G.warps_per_plane - 1) / G.warps_per_plane;
-  int window[kMmaUnits];
-  {
-    int mi = wp / G.nt, ni = wp % G.nt;
-#pragma unroll
-    for (int k = 0; k < kMmaUnits; ++k, next_unit(mi, ni)) window[k] = 16 * mi * G.pitch + 8 * ni;
-  }
   const T* const lane_row = tiles + (slot ? z : 0) * G.tile_stride +
                             ((lane & 7) + 8 * ((lane >> 3) & 1)) * G.pitch + 8 * (lane >> 4);
   const int tiles_per_plane = int(G.tiles_x * G.tiles_y);
@@ -495,17 +489,17 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
         bfrag[r][0] = pack_pair(b[0], b[1]);
         bfrag[r][1] = pack_pair(b[2], b[3]);
       }
-      // Per tap row, the fragments of all the warp's tiles are loaded before their products,
-      // which accumulate into independent tiles: loads and products overlap.
+      int mi = wp / G.nt, ni = wp % G.nt;
 #pragma unroll
-      for (int r = 0; r < kTaps; ++r) {
-        uint32_t a[kMmaUnits][4];
+      for (int k = 0; k < kMmaUnits; ++k, next_unit(mi, ni)) {
+        if (mi >= G.mt) break;
+        const T* window = lane_row + 16 * mi * G.pitch + 8 * ni;
 #pragma unroll
-        for (int k = 0; k < kMmaUnits; ++k)
-          if (k < my_units) load_fragment(a[k], lane_row + window[k] + r * G.pitch);
-#pragma unroll
-        for (int k = 0; k < kMmaUnits; ++k)
-          if (k < my_units) mma_16x8x16<T>(acc[k], a[k], bfrag[r]);
+        for (int r = 0; r < kTaps; ++r) {
+          uint32_t a[4];
+          load_fragment(a, window + r * G.pitch);
+          mma_16x8x16<T>(acc[k], a, bfrag[r]);
+        }
       }
     }
     if (live) {
@@ -513,7 +507,7 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
       int mi = wp / G.nt, ni = wp % G.nt;
 #pragma unroll
       for (int k = 0; k < kMmaUnits; ++k, next_unit(mi, ni)) {
-        if (k >= my_units) break;
+        if (mi >= G.mt) break;
         const int x = x0 + 8 * ni + 2 * q;
         const bool lo_inside = x >= 0 && x < G.cols.out;
         const bool hi_inside = x + 1 >= 0 && x + 1 < G.cols.out;
@@ -1037,7 +1031,7 @@ __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
 // Block (slice, pair): its warps split the (v, x0) steps of every tile of every image of the
 // slice, then the warps' sums are added in order.
 template <class T, int kTaps>
-__global__ void __launch_bounds__(kMmaThreads, 6)
+__global__ void __launch_bounds__(kMmaThreads, 8)
     wgrad_mma_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                      float* __restrict__ partial, const WgradGrid G) {
   extern __shared__ __align__(16) unsigned char shared_memory[];
@@ -1065,9 +1059,7 @@ __global__ void __launch_bounds__(kMmaThreads, 6)
     const int64_t slice = b / G.pairs, pair = b % G.pairs;
     const int64_t k = pair / Cg, c = pair % Cg;
     const int64_t channel = (k / Kg) * Cg + c;
-    // Even and odd steps of the warp accumulate apart (two independent product chains), added
-    // at the end.
-    float acc[2][4] = {};
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
     const int64_t first = slice * G.images, last = std::min(p.N, first + G.images);
     for (int64_t n = first; n < last; ++n) {
       for (int tile = 0; tile < tiles_per_plane; ++tile) {
@@ -1101,31 +1093,21 @@ __global__ void __launch_bounds__(kMmaThreads, 6)
         // Steps (v, x_step) = warp, warp + warps, ... in row-major order, walked without
         // divisions.
         const T* const b_tile = b_lane + offset;
-        const int v_end = tile_rows + kTaps - 1;
-        for (int v = warp / col_steps, xs = warp % col_steps; v < v_end;) {
-          uint32_t a[2][4], bfrag[2][2];
-          bool live[2];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            live[e] = v < v_end;
-            if (live[e]) {
-              load_fragment(a[e], a_lane + v * M.dy_pitch + 16 * xs);
-              const T* xb = b_tile + v * M.x_pitch + 16 * xs;
-              bfrag[e][0] = pack_pair(xb[0], xb[1]);
-              bfrag[e][1] = pack_pair(xb[8], xb[9]);
-            }
-            for (xs += warps; xs >= col_steps; xs -= col_steps) ++v;
-          }
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            if (live[e]) mma_16x8x16<T>(acc[e], a[e], bfrag[e]);
+        for (int v = warp / col_steps, xs = warp % col_steps; v < tile_rows + kTaps - 1;) {
+          uint32_t a[4], bfrag[2];
+          load_fragment(a, a_lane + v * M.dy_pitch + 16 * xs);
+          const T* xb = b_tile + v * M.x_pitch + 16 * xs;
+          bfrag[0] = pack_pair(xb[0], xb[1]);
+          bfrag[1] = pack_pair(xb[8], xb[9]);
+          mma_16x8x16<T>(acc, a, bfrag);
+          for (xs += warps; xs >= col_steps; xs -= col_steps) ++v;
         }
       }
     }
-    // The lane holds C[g][2q + e] in acc[.][e] (acc[.][2], acc[.][3]: rows g + 8, unused).
+    // The lane holds C[g][2q + e] in acc[e] (acc[2], acc[3]: rows g + 8, unused).
 #pragma unroll
     for (int e = 0; e < 2; ++e)
-      if (g < kTaps && 2 * q + e < kTaps) sums[warp][g * kTaps + 2 * q + e] = acc[0][e] + acc[1][e];
+      if (g < kTaps && 2 * q + e < kTaps) sums[warp][g * kTaps + 2 * q + e] = acc[e];
     __syncthreads();
     for (int t = threadIdx.x; t < kTaps * kTaps; t += blockDim.x) {
       float sum = sums[0][t];
