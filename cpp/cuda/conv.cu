@@ -46,6 +46,10 @@ constexpr int kStripCols = 4;              // output columns per thread of the s
 constexpr int kMmaUnits = 8;               // 16x8 output tiles per warp of the tensor-core stencil
 constexpr int kMmaThreads = 128;           // threads per block of the tensor-core kernels
 constexpr int64_t kWgradMmaBlocks = 4096;  // tensor-core weight-gradient blocks aimed at
+#ifndef JK_MMA_PIPE_BLOCKS
+#define JK_MMA_PIPE_BLOCKS 4
+#endif
+constexpr int kMmaPipeBlocks = JK_MMA_PIPE_BLOCKS;  // resident blocks/SM, pipelined mma stencil
 
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
@@ -529,6 +533,273 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
   }
 }
 
+// ---- Depthwise fast path: persistent blocks with a two-stage cp.async pipeline ---------------
+//
+// With one source plane per output plane (in_per_group == 1) and vector-aligned source rows, a
+// block walks its work items b = blockIdx.x, + gridDim.x, ... and copies the tiles of item
+// b + gridDim.x into the second of two shared buffers (cp.async, zero-filled outside the source)
+// while it computes item b: the copies' round trip overlaps the arithmetic instead of
+// serializing with it. The arithmetic and its order are those of the kernels above.
+
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool inside) {
+  const unsigned address = unsigned(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(src),
+               "r"(inside ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_wait_one() {
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+}
+
+// stage_tile_vectors with cp.async: the vectors of the tile are queued, not waited for.
+template <class T>
+__device__ __forceinline__ void stage_tile_async(T* tile, const T* __restrict__ source,
+                                                 int height, int width, int u0, int v0,
+                                                 int tile_rows, int tile_cols, int pitch, int tid,
+                                                 int threads) {
+  constexpr int kVector = 16 / int(sizeof(T));
+  const int vectors = (tile_cols + kVector - 1) / kVector;
+  const int col_threads = min(threads, vectors), row_threads = threads / col_threads;
+  if (tid >= col_threads * row_threads) return;
+  const int first_row = tid / col_threads;
+  for (int j = tid - first_row * col_threads; j < vectors; j += col_threads) {
+    const int col = v0 + j * kVector;
+    const bool inside = col >= 0 && col < width;  // whole vectors are inside or outside
+    const T* src = source + (inside ? col : 0);
+    T* dst = tile + j * kVector;
+    for (int a = first_row; a < tile_rows; a += row_threads) {
+      const int u = u0 + a;
+      const bool in = inside && unsigned(u) < unsigned(height);
+      cp_async_16(dst + a * pitch, in ? src + int64_t(u) * width : source, in);
+    }
+  }
+}
+
+// Where item b of a stencil grid lies: its first plane and the origin of its output tile.
+struct StencilItem {
+  int first_plane, y0, x0;
+};
+
+__device__ __forceinline__ StencilItem stencil_item(const StencilGrid& G, int b, int tile_h,
+                                                    int tile_w) {
+  const int tiles_per_plane = int(G.tiles_x * G.tiles_y);
+  StencilItem it;
+  if (tiles_per_plane == 1) {  // whole planes (the common case): no divisions
+    it.first_plane = b * G.bz;
+    it.y0 = 0;
+    it.x0 = G.x_base;
+  } else {
+    const int tile = b % tiles_per_plane;
+    it.first_plane = (b / tiles_per_plane) * G.bz;
+    it.y0 = (tile / int(G.tiles_x)) * tile_h;
+    it.x0 = G.x_base + (tile % int(G.tiles_x)) * tile_w;
+  }
+  return it;
+}
+
+// Queues the source tiles of item `it` into `buffer` (bz tiles of tile_stride elements).
+template <class T>
+__device__ __forceinline__ void stage_item_async(const StencilGrid& G, const T* __restrict__ source,
+                                                 const StencilItem& it, T* buffer) {
+  const int64_t source_plane = G.rows.source * G.cols.source;
+  const int u0 = int(G.rows.position(it.y0, 0)), v0 = int(G.cols.position(it.x0, 0));
+  split_block(std::min(G.bz, int(G.planes) - it.first_plane), [&](int zz, int tid, int threads) {
+    const T* src = source + G.source_plane(it.first_plane + zz, 0) * source_plane;
+    stage_tile_async(buffer + zz * G.tile_stride, src, int(G.rows.source), int(G.cols.source), u0,
+                     v0, G.src_rows, G.src_cols, G.pitch, tid, threads);
+  });
+}
+
+// stencil_strip_kernel for in_per_group == 1 and G.vector_source, pipelined.
+template <class T, int kTaps, int kRows>
+__global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
+    stencil_strip_pipe_kernel(const T* __restrict__ source, const T* __restrict__ weight,
+                              const T* __restrict__ bias, T* __restrict__ out, const StencilGrid G) {
+  constexpr int kSpan = strip_span(kTaps);
+  extern __shared__ __align__(16) unsigned char shared_memory[];
+  T* const tiles = reinterpret_cast<T*>(shared_memory);
+  const int buffer = G.bz * G.tile_stride;
+  const int plane_threads = G.bx * G.by;
+  const int z = threadIdx.x / plane_threads;
+  const int t = threadIdx.x - z * plane_threads;
+  const int tx = t % G.bx, ty = t / G.bx;
+  const bool slot = z < G.bz;
+  const T* const strip =
+      tiles + (slot ? z : 0) * G.tile_stride + ty * kRows * G.pitch + tx * kStripCols;
+  const int64_t out_plane = G.rows.out * G.cols.out;
+  const int tile_h = G.by * kRows, tile_w = G.bx * kStripCols;
+
+  int b = blockIdx.x;
+  StencilItem it = stencil_item(G, b, tile_h, tile_w);
+  if (b < G.blocks) stage_item_async(G, source, it, tiles);
+  cp_async_commit();
+  for (int k = 0; b < G.blocks; b += gridDim.x, k ^= 1) {
+    const int nb = b + gridDim.x;
+    const StencilItem next = stencil_item(G, nb, tile_h, tile_w);
+    if (nb < G.blocks) stage_item_async(G, source, next, tiles + (k ^ 1) * buffer);
+    cp_async_commit();
+    const int plane = it.first_plane + z;
+    const bool live = slot && plane < G.planes;
+    const int oc = plane % int(G.out_channels);
+    const int g = oc / int(G.out_per_group), o = oc % int(G.out_per_group);
+    const T start = (live && bias != nullptr) ? bias[oc] : T(0);
+    T acc[kRows][kStripCols];
+#pragma unroll
+    for (int j = 0; j < kRows; ++j)
+#pragma unroll
+      for (int c = 0; c < kStripCols; ++c) acc[j][c] = start;
+    T wr[kTaps][kTaps];
+    if (live) {
+      const T* w = weight + G.weights.offset(g, o, 0, 0, 0);
+#pragma unroll
+      for (int r = 0; r < kTaps; ++r)
+#pragma unroll
+        for (int s = 0; s < kTaps; ++s) wr[r][s] = w[r * G.weights.row + s * G.weights.col];
+    }
+    cp_async_wait_one();  // this thread's copies of item b have landed
+    __syncthreads();      // and everyone's
+    if (live) {
+      const T* my_strip = strip + k * buffer;
+#pragma unroll
+      for (int d = 0; d < kRows + kTaps - 1; ++d) {
+        T v[kSpan];
+        load_span(my_strip + d * G.pitch, v);
+#pragma unroll
+        for (int r = 0; r < kTaps; ++r) {
+          const int j = d - r;
+          if (j < 0 || j >= kRows) continue;
+#pragma unroll
+          for (int s = 0; s < kTaps; ++s)
+#pragma unroll
+            for (int c = 0; c < kStripCols; ++c) acc[j][c] += wr[r][s] * v[c + s];
+        }
+      }
+      const int x = it.x0 + tx * kStripCols;
+      T* dst = out + plane * out_plane;
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        const int y = it.y0 + ty * kRows + j;
+        if (y < G.rows.out)
+          store_four(dst + int64_t(y) * G.cols.out, x, G.cols.out, G.vector_out, acc[j]);
+      }
+    }
+    __syncthreads();  // buffer k has been consumed: the next iteration refills it
+    it = next;
+  }
+}
+
+// Two adjacent outputs of a half type as one packed pair (round to nearest even; the same bits
+// as from_acc except for the payload of NaNs).
+template <class T>
+__device__ __forceinline__ uint32_t pack_outputs(float lo, float hi) {
+  uint32_t r;
+  if constexpr (std::is_same_v<T, bfloat16>)
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// stencil_mma_kernel for in_per_group == 1 and G.vector_source, pipelined.
+template <class T, int kTaps>
+__global__ void __launch_bounds__(kMmaThreads, kMmaPipeBlocks)
+    stencil_mma_pipe_kernel(const T* __restrict__ source, const T* __restrict__ weight,
+                            const T* __restrict__ bias, T* __restrict__ out, const StencilGrid G) {
+  extern __shared__ __align__(16) unsigned char shared_memory[];
+  T* const tiles = reinterpret_cast<T*>(shared_memory);
+  const int buffer = G.bz * G.tile_stride;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, q = lane & 3;
+  const int z = warp / G.warps_per_plane, wp = warp - z * G.warps_per_plane;
+  const bool slot = z < G.bz;
+  const auto next_unit = [&](int& mi, int& ni) {
+    for (ni += G.warps_per_plane; ni >= G.nt; ni -= G.nt) ++mi;
+  };
+  const T* const lane_row = tiles + (slot ? z : 0) * G.tile_stride +
+                            ((lane & 7) + 8 * ((lane >> 3) & 1)) * G.pitch + 8 * (lane >> 4);
+  const int64_t out_plane = G.rows.out * G.cols.out;
+  const int tile_h = 16 * G.mt, tile_w = 8 * G.nt;
+  // The lane's B-fragment taps (see stencil_mma_kernel).
+  int64_t tap[4];
+  bool in_taps[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int s = 2 * q + 8 * (e >> 1) + (e & 1) - g;
+    in_taps[e] = s >= 0 && s < kTaps;
+    tap[e] = s * G.weights.col;
+  }
+
+  int b = blockIdx.x;
+  StencilItem it = stencil_item(G, b, tile_h, tile_w);
+  if (b < G.blocks) stage_item_async(G, source, it, tiles);
+  cp_async_commit();
+  for (int kb = 0; b < G.blocks; b += gridDim.x, kb ^= 1) {
+    const int nb = b + gridDim.x;
+    const StencilItem next = stencil_item(G, nb, tile_h, tile_w);
+    if (nb < G.blocks) stage_item_async(G, source, next, tiles + (kb ^ 1) * buffer);
+    cp_async_commit();
+    const int plane = it.first_plane + z;
+    const bool live = slot && plane < G.planes;
+    const int oc = plane % int(G.out_channels);
+    const int grp = oc / int(G.out_per_group), o = oc % int(G.out_per_group);
+    const float start = (live && bias != nullptr) ? to_acc(bias[oc]) : 0.f;
+    uint32_t bfrag[kTaps][2];
+    if (live) {
+      const T* w = weight + G.weights.offset(grp, o, 0, 0, 0);
+#pragma unroll
+      for (int r = 0; r < kTaps; ++r) {
+        const T* taps = w + r * G.weights.row;
+        T bb[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) bb[e] = in_taps[e] ? taps[tap[e]] : T{};
+        bfrag[r][0] = pack_pair(bb[0], bb[1]);
+        bfrag[r][1] = pack_pair(bb[2], bb[3]);
+      }
+    }
+    cp_async_wait_one();
+    __syncthreads();
+    if (live) {
+      const T* const my_row = lane_row + kb * buffer;
+      T* const dst_plane = out + plane * out_plane;
+      int mi = wp / G.nt, ni = wp % G.nt;
+#pragma unroll
+      for (int k = 0; k < kMmaUnits; ++k, next_unit(mi, ni)) {
+        if (mi >= G.mt) break;
+        float acc[4] = {start, start, start, start};
+        const T* window = my_row + 16 * mi * G.pitch + 8 * ni;
+#pragma unroll
+        for (int r = 0; r < kTaps; ++r) {
+          uint32_t a[4];
+          load_fragment(a, window + r * G.pitch);
+          mma_16x8x16<T>(acc, a, bfrag[r]);
+        }
+        // The lane holds outputs (g, 2q + e) in acc[e] and (g + 8, 2q + e) in acc[2 + e].
+        const int x = it.x0 + 8 * ni + 2 * q;
+        const bool lo_inside = x >= 0 && x < G.cols.out;
+        const bool hi_inside = x + 1 >= 0 && x + 1 < G.cols.out;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int y = it.y0 + 16 * mi + g + 8 * h;
+          if (y >= G.rows.out) continue;
+          T* dst = dst_plane + int64_t(y) * G.cols.out + x;
+          const uint32_t pair = pack_outputs<T>(acc[2 * h], acc[2 * h + 1]);
+          if (G.vector_out && lo_inside && hi_inside) {
+            *reinterpret_cast<uint32_t*>(dst) = pair;
+          } else {
+            if (lo_inside) dst[0] = T{uint16_t(pair & 0xffffu)};
+            if (hi_inside) dst[1] = T{uint16_t(pair >> 16)};
+          }
+        }
+      }
+    }
+    __syncthreads();
+    it = next;
+  }
+}
+
 // Any geometry: a block covers bz planes x one tile of (by * kRows) x bx outputs; thread
 // (tx, ty) of a plane computes rows ty * kRows .. + kRows - 1 of column tx, with run-time loops
 // over the taps.
@@ -787,6 +1058,44 @@ void launch_stencil_mma(cudaStream_t stream, const T* source, const T* weight, c
   stencil_mma_kernel<T, kTaps><<<blocks, threads, shared, stream>>>(source, weight, bias, out, G);
 }
 
+// The pipelined kernels' launches: as many blocks as stay resident (persistent blocks), two
+// shared buffers each.
+template <class Kernel>
+unsigned launch_pipelined(Kernel kernel, int blocks_per_sm, int64_t items, size_t shared) {
+  if (shared > 48 * 1024)
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
+  return unsigned(std::min<int64_t>(items, int64_t(multiprocessor_count()) * blocks_per_sm));
+}
+
+template <class T, int kTaps, int kRows>
+void launch_stencil_strips_pipe(cudaStream_t stream, const T* source, const T* weight,
+                                const T* bias, T* out, const StencilGrid& G) {
+  const int threads = int(round_up(int64_t(G.bx) * G.by * G.bz, 32));
+  const size_t shared = 2 * size_t(G.bz) * size_t(G.tile_stride) * sizeof(T);
+  const auto kernel = stencil_strip_pipe_kernel<T, kTaps, kRows>;
+  const unsigned blocks = launch_pipelined(kernel, strip_blocks_per_sm<T>(), G.blocks, shared);
+  kernel<<<blocks, threads, shared, stream>>>(source, weight, bias, out, G);
+}
+
+template <class T, int kTaps>
+void launch_stencil_mma_pipe(cudaStream_t stream, const T* source, const T* weight, const T* bias,
+                             T* out, const StencilGrid& G) {
+  const int threads = 32 * G.warps_per_plane * G.bz;
+  const size_t shared = 2 * size_t(G.bz) * size_t(G.tile_stride) * sizeof(T);
+  const auto kernel = stencil_mma_pipe_kernel<T, kTaps>;
+  const unsigned blocks = launch_pipelined(kernel, kMmaPipeBlocks, G.blocks, shared);
+  kernel<<<blocks, threads, shared, stream>>>(source, weight, bias, out, G);
+}
+
+// The pipelined kernels apply: one source plane per output plane, staged as whole vectors.
+bool pipelined(const StencilGrid& G) {
+#ifdef JK_DW_NO_PIPE
+  return false;
+#else
+  return G.in_per_group == 1 && G.vector_source;
+#endif
+}
+
 template <class T>
 ffi::Error run_stencil(cudaStream_t stream, const char* op, const T* source, const T* weight,
                        const T* bias, T* out, StencilGrid G) {
@@ -795,6 +1104,12 @@ ffi::Error run_stencil(cudaStream_t stream, const char* op, const T* source, con
   const int taps = unrolled_taps(G.rows, G.cols);
   if constexpr (is_half_type<T>()) {
     if (taps > 0 && plan_stencil_mma(G, source, out, taps)) {
+      if (pipelined(G)) {
+        if (taps == 3) launch_stencil_mma_pipe<T, 3>(stream, source, weight, bias, out, G);
+        if (taps == 5) launch_stencil_mma_pipe<T, 5>(stream, source, weight, bias, out, G);
+        if (taps == 7) launch_stencil_mma_pipe<T, 7>(stream, source, weight, bias, out, G);
+        return launch_status(op);
+      }
       if (taps == 3) launch_stencil_mma<T, 3>(stream, source, weight, bias, out, G);
       if (taps == 5) launch_stencil_mma<T, 5>(stream, source, weight, bias, out, G);
       if (taps == 7) launch_stencil_mma<T, 7>(stream, source, weight, bias, out, G);
@@ -803,6 +1118,18 @@ ffi::Error run_stencil(cudaStream_t stream, const char* op, const T* source, con
   } else {
     const int rows = taps > 0 ? strip_rows(G.rows.out, G.cols.out) : 0;
     if (taps > 0 && plan_stencil_strips(G, source, out, taps, rows)) {
+      if (pipelined(G)) {
+        if (rows == 7) {
+          if (taps == 3) launch_stencil_strips_pipe<T, 3, 7>(stream, source, weight, bias, out, G);
+          if (taps == 5) launch_stencil_strips_pipe<T, 5, 7>(stream, source, weight, bias, out, G);
+          if (taps == 7) launch_stencil_strips_pipe<T, 7, 7>(stream, source, weight, bias, out, G);
+        } else {
+          if (taps == 3) launch_stencil_strips_pipe<T, 3, 8>(stream, source, weight, bias, out, G);
+          if (taps == 5) launch_stencil_strips_pipe<T, 5, 8>(stream, source, weight, bias, out, G);
+          if (taps == 7) launch_stencil_strips_pipe<T, 7, 8>(stream, source, weight, bias, out, G);
+        }
+        return launch_status(op);
+      }
       if (rows == 7) {
         if (taps == 3) launch_stencil_strips<T, 3, 7>(stream, source, weight, bias, out, G);
         if (taps == 5) launch_stencil_strips<T, 5, 7>(stream, source, weight, bias, out, G);
