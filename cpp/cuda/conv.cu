@@ -42,6 +42,13 @@ constexpr int kSharedBytes = 40 * 1024;
 constexpr int kGenericRows = 4;            // output rows per thread off the unrolled paths
 constexpr int kGenericTaps = 16;           // weight-gradient taps per block off the unrolled paths
 constexpr int64_t kWgradBlocks = 1024;     // weight-gradient blocks aimed at (sets the slices)
+#ifndef JK_WGRAD_STRIP_BLOCKS
+#define JK_WGRAD_STRIP_BLOCKS 1536
+#endif
+// Strip weight-gradient blocks aimed at: 1536 = 4 slices of 8 images for C384 N32, 5.8 items
+// per resident block of an H100 (2 x 132), where 1024 gave 3 slices and 4.4 (a quarter-full
+// last round).
+constexpr int64_t kWgradStripBlocks = JK_WGRAD_STRIP_BLOCKS;
 constexpr int kStripCols = 4;              // output columns per thread of the strip kernels
 constexpr int kMmaUnits = 8;               // 16x8 output tiles per warp of the tensor-core stencil
 constexpr int kMmaThreads = 128;           // threads per block of the tensor-core kernels
@@ -1062,8 +1069,8 @@ void launch_stencil_mma(cudaStream_t stream, const T* source, const T* weight, c
 // shared buffers each.
 template <class Kernel>
 unsigned launch_pipelined(Kernel kernel, int blocks_per_sm, int64_t items, size_t shared) {
-  if (shared > 48 * 1024)
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
+  // Always: with a kernel's static shared memory, even 48 KiB of dynamic memory needs opting in.
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
   return unsigned(std::min<int64_t>(items, int64_t(multiprocessor_count()) * blocks_per_sm));
 }
 
@@ -1239,7 +1246,9 @@ WgradPlan plan_wgrad(const ConvProblem& p) {
                                         std::min<int64_t>(p.N, kSharedBytes / tile_bytes)));
     }
   }
-  const int64_t blocks = plan.kernel == WgradKernel::kMma ? kWgradMmaBlocks : kWgradBlocks;
+  const int64_t blocks = plan.kernel == WgradKernel::kMma      ? kWgradMmaBlocks
+                        : plan.kernel == WgradKernel::kStrips ? kWgradStripBlocks
+                                                              : kWgradBlocks;
   const int64_t wanted = std::clamp<int64_t>(ceil_div(blocks, pairs), 1, p.N);
   plan.images = round_up(ceil_div(p.N, wanted), plan.bz);
   plan.slices = ceil_div(p.N, plan.images);
@@ -1348,6 +1357,121 @@ __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
       }
     }
     block_sum(acc, partial + b * (kTaps * kTaps));
+  }
+}
+
+// wgrad_strip_kernel with its x tiles pipelined (vector_x): persistent blocks walk the steps
+// (block item b, images n0 .. n0 + bz - 1, tile) of their items in the same order as
+// wgrad_strip_kernel, copying the x tiles of the next step with cp.async into a second shared
+// buffer while computing the current one. The sums and their order are wgrad_strip_kernel's.
+template <class T, int kTaps, int kRows>
+__global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
+    wgrad_strip_pipe_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                            T* __restrict__ partial, const WgradGrid G) {
+  constexpr int kSpan = strip_span(kTaps);
+  extern __shared__ __align__(16) unsigned char shared_memory[];
+  T* const tiles = reinterpret_cast<T*>(shared_memory);
+  const int buffer = G.bz * G.tile_stride;
+  const ConvProblem& p = G.p;
+  const int plane_threads = G.bx * G.by;
+  const int z = threadIdx.x / plane_threads;
+  const int t = threadIdx.x - z * plane_threads;
+  const int tx = t % G.bx, ty = t / G.bx;
+  const bool slot = z < G.bz;
+  const T* const strip =
+      tiles + (slot ? z : 0) * G.tile_stride + ty * kRows * G.pitch + tx * kStripCols;
+  const int64_t Kg = p.filters_per_group(), Cg = p.channels_per_group();
+  const StencilAxis rows = forward_rows(p), cols = forward_cols(p);
+  const int tiles_per_plane = int(G.tiles_x * G.tiles_y);
+  const int64_t items = G.slices * G.pairs;
+
+  // A step: block item b, its images from n0, output tile `tile`.
+  struct Step {
+    int64_t b, n0;
+    int tile;
+  };
+  const auto first_image = [&](int64_t b) { return (b / G.pairs) * G.images; };
+  const auto last_image = [&](int64_t b) { return std::min(p.N, first_image(b) + G.images); };
+  const auto advance = [&](Step s) {
+    if (++s.tile < tiles_per_plane) return s;
+    s.tile = 0;
+    s.n0 += G.bz;
+    if (s.n0 < last_image(s.b)) return s;
+    s.b += gridDim.x;
+    if (s.b < items) s.n0 = first_image(s.b);
+    return s;
+  };
+  const auto tile_origin = [&](int tile, int& y0, int& x0) {
+    y0 = (tile / int(G.tiles_x)) * (G.by * kRows);
+    x0 = G.x_base + (tile % int(G.tiles_x)) * (G.bx * kStripCols);
+  };
+  const auto stage = [&](const Step& s, T* buf) {
+    const int64_t pair = s.b % G.pairs, k = pair / Cg, c = pair % Cg;
+    const int64_t channel = (k / Kg) * Cg + c;
+    int y0, x0;
+    tile_origin(s.tile, y0, x0);
+    const int u0 = int(rows.position(y0, 0)), v0 = int(cols.position(x0, 0));
+    split_block(int(std::min<int64_t>(G.bz, last_image(s.b) - s.n0)),
+                [&](int zz, int tid, int threads) {
+                  const T* x_plane = x + ((s.n0 + zz) * p.C + channel) * p.H * p.W;
+                  stage_tile_async(buf + zz * G.tile_stride, x_plane, int(p.H), int(p.W), u0, v0,
+                                   G.src_rows, G.src_cols, G.pitch, tid, threads);
+                });
+  };
+
+  Step cur{blockIdx.x, 0, 0};
+  if (cur.b < items) {
+    cur.n0 = first_image(cur.b);
+    stage(cur, tiles);
+  }
+  cp_async_commit();
+  T acc[kTaps * kTaps];
+#pragma unroll
+  for (int e = 0; e < kTaps * kTaps; ++e) acc[e] = T(0);
+  for (int kb = 0; cur.b < items; kb ^= 1) {
+    const Step next = advance(cur);
+    if (next.b < items) stage(next, tiles + (kb ^ 1) * buffer);
+    cp_async_commit();
+    const int64_t k = (cur.b % G.pairs) / Cg;
+    const int64_t n = cur.n0 + z;
+    const bool live = slot && n < last_image(cur.b);
+    int y0, x0;
+    tile_origin(cur.tile, y0, x0);
+    const int q = x0 + tx * kStripCols, y = y0 + ty * kRows;
+    const T* dy_rows = dy + ((n * p.K + k) * p.P + y) * p.Q;
+    T d[kRows][kStripCols];
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      const bool inside = live && y + j < p.P;
+      load_four(dy_rows + j * p.Q, q, inside ? p.Q : 0, G.vector_dy, d[j]);
+    }
+    cp_async_wait_one();
+    __syncthreads();
+    if (live) {
+      const T* my_strip = strip + kb * buffer;
+#pragma unroll
+      for (int dd = 0; dd < kRows + kTaps - 1; ++dd) {
+        T v[kSpan];
+        load_span(my_strip + dd * G.pitch, v);
+#pragma unroll
+        for (int r = 0; r < kTaps; ++r) {
+          const int j = dd - r;
+          if (j < 0 || j >= kRows) continue;
+#pragma unroll
+          for (int s = 0; s < kTaps; ++s)
+#pragma unroll
+            for (int cc = 0; cc < kStripCols; ++cc) acc[r * kTaps + s] += d[j][cc] * v[cc + s];
+        }
+      }
+    }
+    if (next.b != cur.b) {  // the item's last step: its sums, in block_sum's fixed order
+      block_sum(acc, partial + cur.b * (kTaps * kTaps));
+#pragma unroll
+      for (int e = 0; e < kTaps * kTaps; ++e) acc[e] = T(0);
+    } else {
+      __syncthreads();  // buffer kb has been consumed: the next step refills it
+    }
+    cur = next;
   }
 }
 
@@ -1510,6 +1634,17 @@ void launch_wgrad_strips(cudaStream_t stream, const T* dy, const T* x, T* partia
   wgrad_strip_kernel<T, kTaps, kRows><<<blocks, threads, shared, stream>>>(dy, x, partial, G);
 }
 
+template <class T, int kTaps, int kRows>
+void launch_wgrad_strips_pipe(cudaStream_t stream, const T* dy, const T* x, T* partial,
+                              const WgradGrid& G) {
+  const int threads = int(round_up(int64_t(G.bx) * G.by * G.bz, 32));
+  const size_t shared = 2 * size_t(G.bz) * size_t(G.tile_stride) * sizeof(T);
+  const auto kernel = wgrad_strip_pipe_kernel<T, kTaps, kRows>;
+  const unsigned blocks =
+      launch_pipelined(kernel, strip_blocks_per_sm<T>(), G.slices * G.pairs, shared);
+  kernel<<<blocks, threads, shared, stream>>>(dy, x, partial, G);
+}
+
 template <class T, int kTaps>
 void launch_wgrad_mma(cudaStream_t stream, const T* dy, const T* x, float* partial,
                       const WgradGrid& G) {
@@ -1562,6 +1697,19 @@ ffi::Error run_wgrad(cudaStream_t stream, const T* dy, const T* x, T* dw, const 
       G.x_base = plan.x_base;
       G.vector_x = p.W % (16 / int64_t(sizeof(T))) == 0 && aligned_to(x, 16);
       G.vector_dy = G.x_base % 4 == 0 && p.Q % 4 == 0 && aligned_to(dy, 4 * sizeof(T));
+#ifndef JK_DW_NO_PIPE
+      if (G.vector_x) {
+        if (plan.rows == 7) {
+          if (taps == 3) launch_wgrad_strips_pipe<T, 3, 7>(stream, dy, x, partial, G);
+          if (taps == 5) launch_wgrad_strips_pipe<T, 5, 7>(stream, dy, x, partial, G);
+          if (taps == 7) launch_wgrad_strips_pipe<T, 7, 7>(stream, dy, x, partial, G);
+        } else {
+          if (taps == 3) launch_wgrad_strips_pipe<T, 3, 8>(stream, dy, x, partial, G);
+          if (taps == 5) launch_wgrad_strips_pipe<T, 5, 8>(stream, dy, x, partial, G);
+          if (taps == 7) launch_wgrad_strips_pipe<T, 7, 8>(stream, dy, x, partial, G);
+        }
+      } else
+#endif
       if (plan.rows == 7) {
         if (taps == 3) launch_wgrad_strips<T, 3, 7>(stream, dy, x, partial, G);
         if (taps == 5) launch_wgrad_strips<T, 5, 7>(stream, dy, x, partial, G);
