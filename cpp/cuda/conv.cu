@@ -585,6 +585,48 @@ __device__ __forceinline__ void stage_tile_async(T* tile, const T* __restrict__ 
   }
 }
 
+// A thread's share of staging `parts` tiles of tile_rows x `vectors` 16-byte vectors at once
+// (split_block's split, then stage_tile_vectors' columns x rows), fixed for the whole kernel.
+struct AsyncStager {
+  int part;                   // the tile this thread stages (>= parts: none)
+  int first_row, row_step;    // rows first_row, + row_step, ...
+  int first_vec, vec_step;    // vectors first_vec, + vec_step, ...
+};
+
+__device__ __forceinline__ AsyncStager make_stager(int parts, int vectors) {
+  AsyncStager st;
+  const int threads = int(blockDim.x) / parts;
+  st.part = int(threadIdx.x) / threads;
+  const int tid = int(threadIdx.x) - st.part * threads;
+  const int col_threads = min(threads, vectors), row_threads = threads / col_threads;
+  if (tid >= col_threads * row_threads) st.part = parts;  // idle
+  st.first_row = tid / col_threads;
+  st.first_vec = tid - st.first_row * col_threads;
+  st.row_step = row_threads;
+  st.vec_step = col_threads;
+  return st;
+}
+
+// This thread's cp.async copies of one tile (see stage_tile_async).
+template <class T>
+__device__ __forceinline__ void stage_async(const AsyncStager& st, T* tile,
+                                            const T* __restrict__ source, int height, int width,
+                                            int u0, int v0, int tile_rows, int vectors,
+                                            int pitch) {
+  constexpr int kVector = 16 / int(sizeof(T));
+  for (int j = st.first_vec; j < vectors; j += st.vec_step) {
+    const int col = v0 + j * kVector;
+    const bool inside = col >= 0 && col < width;
+    const T* src = source + (inside ? col : 0);
+    T* dst = tile + j * kVector;
+    for (int a = st.first_row; a < tile_rows; a += st.row_step) {
+      const int u = u0 + a;
+      const bool in = inside && unsigned(u) < unsigned(height);
+      cp_async_16(dst + a * pitch, in ? src + int64_t(u) * width : source, in);
+    }
+  }
+}
+
 // Where item b of a stencil grid lies: its first plane and the origin of its output tile.
 struct StencilItem {
   int first_plane, y0, x0;
@@ -607,17 +649,45 @@ __device__ __forceinline__ StencilItem stencil_item(const StencilGrid& G, int b,
   return it;
 }
 
-// Queues the source tiles of item `it` into `buffer` (bz tiles of tile_stride elements).
+// Queues this thread's share of the source tiles of item `it` into `buffer` (bz tiles of
+// tile_stride elements).
 template <class T>
-__device__ __forceinline__ void stage_item_async(const StencilGrid& G, const T* __restrict__ source,
+__device__ __forceinline__ void stage_item_async(const StencilGrid& G, const AsyncStager& st,
+                                                 const T* __restrict__ source,
                                                  const StencilItem& it, T* buffer) {
-  const int64_t source_plane = G.rows.source * G.cols.source;
-  const int u0 = int(G.rows.position(it.y0, 0)), v0 = int(G.cols.position(it.x0, 0));
-  split_block(std::min(G.bz, int(G.planes) - it.first_plane), [&](int zz, int tid, int threads) {
-    const T* src = source + G.source_plane(it.first_plane + zz, 0) * source_plane;
-    stage_tile_async(buffer + zz * G.tile_stride, src, int(G.rows.source), int(G.cols.source), u0,
-                     v0, G.src_rows, G.src_cols, G.pitch, tid, threads);
-  });
+  const int plane = it.first_plane + st.part;
+  if (st.part >= G.bz || plane >= G.planes) return;
+  // Depthwise (one source plane per output plane, as many): the source plane is the plane.
+  const bool same = G.in_channels == G.out_channels && G.out_per_group == 1;
+  const int64_t source_plane = same ? int64_t(plane) : G.source_plane(plane, 0);
+  constexpr int kVector = 16 / int(sizeof(T));
+  stage_async(st, buffer + st.part * G.tile_stride,
+              source + source_plane * (G.rows.source * G.cols.source), int(G.rows.source),
+              int(G.cols.source), int(G.rows.position(it.y0, 0)), int(G.cols.position(it.x0, 0)),
+              G.src_rows, (G.src_cols + kVector - 1) / kVector, G.pitch);
+}
+
+// Loads the kTaps x kTaps weights of a stencil plane from w (the plane's tap (0, 0)), with
+// immediate offsets in the depthwise layouts (forward: row kTaps, col 1; dgrad: flipped).
+template <int kTaps, class T, class F>
+__device__ __forceinline__ void for_each_tap(const StencilWeights& W, const T* w, const F& f) {
+  const auto run = [&](auto sign) {
+#pragma unroll
+    for (int r = 0; r < kTaps; ++r)
+#pragma unroll
+      for (int t = 0; t < kTaps; ++t) {
+        if constexpr (decltype(sign)::value == 0)
+          f(r, t, w[r * W.row + t * W.col]);
+        else
+          f(r, t, w[decltype(sign)::value * (r * kTaps + t)]);
+      }
+  };
+  if (W.col == 1 && W.row == kTaps)
+    run(std::integral_constant<int, 1>{});
+  else if (W.col == -1 && W.row == -kTaps)
+    run(std::integral_constant<int, -1>{});
+  else
+    run(std::integral_constant<int, 0>{});
 }
 
 // stencil_strip_kernel for in_per_group == 1 and G.vector_source, pipelined.
@@ -638,15 +708,16 @@ __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
       tiles + (slot ? z : 0) * G.tile_stride + ty * kRows * G.pitch + tx * kStripCols;
   const int64_t out_plane = G.rows.out * G.cols.out;
   const int tile_h = G.by * kRows, tile_w = G.bx * kStripCols;
+  const AsyncStager st = make_stager(G.bz, (G.src_cols + 16 / int(sizeof(T)) - 1) / (16 / int(sizeof(T))));
 
   int b = blockIdx.x;
   StencilItem it = stencil_item(G, b, tile_h, tile_w);
-  if (b < G.blocks) stage_item_async(G, source, it, tiles);
+  if (b < G.blocks) stage_item_async(G, st, source, it, tiles);
   cp_async_commit();
   for (int k = 0; b < G.blocks; b += gridDim.x, k ^= 1) {
     const int nb = b + gridDim.x;
     const StencilItem next = stencil_item(G, nb, tile_h, tile_w);
-    if (nb < G.blocks) stage_item_async(G, source, next, tiles + (k ^ 1) * buffer);
+    if (nb < G.blocks) stage_item_async(G, st, source, next, tiles + (k ^ 1) * buffer);
     cp_async_commit();
     const int plane = it.first_plane + z;
     const bool live = slot && plane < G.planes;
@@ -659,13 +730,9 @@ __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
 #pragma unroll
       for (int c = 0; c < kStripCols; ++c) acc[j][c] = start;
     T wr[kTaps][kTaps];
-    if (live) {
-      const T* w = weight + G.weights.offset(g, o, 0, 0, 0);
-#pragma unroll
-      for (int r = 0; r < kTaps; ++r)
-#pragma unroll
-        for (int s = 0; s < kTaps; ++s) wr[r][s] = w[r * G.weights.row + s * G.weights.col];
-    }
+    if (live)
+      for_each_tap<kTaps>(G.weights, weight + G.weights.offset(g, o, 0, 0, 0),
+                          [&](int r, int s, T v) { wr[r][s] = v; });
     cp_async_wait_one();  // this thread's copies of item b have landed
     __syncthreads();      // and everyone's
     if (live) {
@@ -686,11 +753,19 @@ __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
       }
       const int x = it.x0 + tx * kStripCols;
       T* dst = out + plane * out_plane;
+      // Columns all inside but not a vector (the tiles start one column early): plain stores.
+      const bool interior = !G.vector_out && x >= 0 && x + kStripCols <= G.cols.out;
 #pragma unroll
       for (int j = 0; j < kRows; ++j) {
         const int y = it.y0 + ty * kRows + j;
-        if (y < G.rows.out)
-          store_four(dst + int64_t(y) * G.cols.out, x, G.cols.out, G.vector_out, acc[j]);
+        if (y >= G.rows.out) continue;
+        T* row = dst + int64_t(y) * G.cols.out;
+        if (interior) {
+#pragma unroll
+          for (int c = 0; c < kStripCols; ++c) row[x + c] = acc[j][c];
+        } else {
+          store_four(row, x, G.cols.out, G.vector_out, acc[j]);
+        }
       }
     }
     __syncthreads();  // buffer k has been consumed: the next iteration refills it
@@ -729,24 +804,28 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaPipeBlocks)
                             ((lane & 7) + 8 * ((lane >> 3) & 1)) * G.pitch + 8 * (lane >> 4);
   const int64_t out_plane = G.rows.out * G.cols.out;
   const int tile_h = 16 * G.mt, tile_w = 8 * G.nt;
-  // The lane's B-fragment taps (see stencil_mma_kernel).
-  int64_t tap[4];
+  const AsyncStager st = make_stager(G.bz, (G.src_cols + 7) / 8);
+  // The lane's B-fragment taps (see stencil_mma_kernel): tap column s[e] of each tap row.
+  int tap[4];
   bool in_taps[4];
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    const int s = 2 * q + 8 * (e >> 1) + (e & 1) - g;
-    in_taps[e] = s >= 0 && s < kTaps;
-    tap[e] = s * G.weights.col;
+    tap[e] = 2 * q + 8 * (e >> 1) + (e & 1) - g;
+    in_taps[e] = tap[e] >= 0 && tap[e] < kTaps;
   }
+  // The depthwise layouts: weight (r, s) at w + sign * (r * kTaps + s); 0: general strides.
+  const int sign = (G.weights.col == 1 && G.weights.row == kTaps)     ? 1
+                   : (G.weights.col == -1 && G.weights.row == -kTaps) ? -1
+                                                                      : 0;
 
   int b = blockIdx.x;
   StencilItem it = stencil_item(G, b, tile_h, tile_w);
-  if (b < G.blocks) stage_item_async(G, source, it, tiles);
+  if (b < G.blocks) stage_item_async(G, st, source, it, tiles);
   cp_async_commit();
   for (int kb = 0; b < G.blocks; b += gridDim.x, kb ^= 1) {
     const int nb = b + gridDim.x;
     const StencilItem next = stencil_item(G, nb, tile_h, tile_w);
-    if (nb < G.blocks) stage_item_async(G, source, next, tiles + (kb ^ 1) * buffer);
+    if (nb < G.blocks) stage_item_async(G, st, source, next, tiles + (kb ^ 1) * buffer);
     cp_async_commit();
     const int plane = it.first_plane + z;
     const bool live = slot && plane < G.planes;
@@ -756,15 +835,29 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaPipeBlocks)
     uint32_t bfrag[kTaps][2];
     if (live) {
       const T* w = weight + G.weights.offset(grp, o, 0, 0, 0);
+      const auto load = [&](auto fixed) {
+        constexpr int kSign = decltype(fixed)::value;
+        const T* base[4];
 #pragma unroll
-      for (int r = 0; r < kTaps; ++r) {
-        const T* taps = w + r * G.weights.row;
-        T bb[4];
+        for (int e = 0; e < 4; ++e)
+          base[e] = w + (kSign != 0 ? kSign * tap[e] : tap[e] * int(G.weights.col));
 #pragma unroll
-        for (int e = 0; e < 4; ++e) bb[e] = in_taps[e] ? taps[tap[e]] : T{};
-        bfrag[r][0] = pack_pair(bb[0], bb[1]);
-        bfrag[r][1] = pack_pair(bb[2], bb[3]);
-      }
+        for (int r = 0; r < kTaps; ++r) {
+          T bb[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            bb[e] = in_taps[e] ? base[e][kSign != 0 ? kSign * r * kTaps : r * int(G.weights.row)]
+                               : T{};
+          bfrag[r][0] = pack_pair(bb[0], bb[1]);
+          bfrag[r][1] = pack_pair(bb[2], bb[3]);
+        }
+      };
+      if (sign == 1)
+        load(std::integral_constant<int, 1>{});
+      else if (sign == -1)
+        load(std::integral_constant<int, -1>{});
+      else
+        load(std::integral_constant<int, 0>{});
     }
     cp_async_wait_one();
     __syncthreads();
