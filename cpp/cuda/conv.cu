@@ -42,10 +42,21 @@ constexpr int kSharedBytes = 40 * 1024;
 constexpr int kGenericRows = 4;            // output rows per thread off the unrolled paths
 constexpr int kGenericTaps = 16;           // weight-gradient taps per block off the unrolled paths
 constexpr int64_t kWgradBlocks = 1024;     // weight-gradient blocks aimed at (sets the slices)
+#ifndef JK_WGRAD_STRIP_BLOCKS
+#define JK_WGRAD_STRIP_BLOCKS 1536
+#endif
+// Strip weight-gradient blocks aimed at: 1536 = 4 slices of 8 images for C384 N32, 5.8 items
+// per resident block of an H100 (2 x 132), where 1024 gave 3 slices and 4.4 (a quarter-full
+// last round).
+constexpr int64_t kWgradStripBlocks = JK_WGRAD_STRIP_BLOCKS;
 constexpr int kStripCols = 4;              // output columns per thread of the strip kernels
 constexpr int kMmaUnits = 8;               // 16x8 output tiles per warp of the tensor-core stencil
 constexpr int kMmaThreads = 128;           // threads per block of the tensor-core kernels
 constexpr int64_t kWgradMmaBlocks = 4096;  // tensor-core weight-gradient blocks aimed at
+#ifndef JK_MMA_PIPE_BLOCKS
+#define JK_MMA_PIPE_BLOCKS 4
+#endif
+constexpr int kMmaPipeBlocks = JK_MMA_PIPE_BLOCKS;  // resident blocks/SM, pipelined mma stencil
 
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
@@ -249,12 +260,14 @@ template <class T>
 __device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4],
                                             const uint32_t (&b)[2]) {
   if constexpr (std::is_same_v<T, bfloat16>) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
@@ -429,14 +442,6 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
   const auto next_unit = [&](int& mi, int& ni) {
     for (ni += G.warps_per_plane; ni >= G.nt; ni -= G.nt) ++mi;
   };
-  // The warp's tiles and the offsets of their 16 x 16 windows in the plane's tile.
-  const int my_units = (G.mt * G.nt - wp + G.warps_per_plane - 1) / G.warps_per_plane;
-  int window[kMmaUnits];
-  {
-    int mi = wp / G.nt, ni = wp % G.nt;
-#pragma unroll
-    for (int k = 0; k < kMmaUnits; ++k, next_unit(mi, ni)) window[k] = 16 * mi * G.pitch + 8 * ni;
-  }
   const T* const lane_row = tiles + (slot ? z : 0) * G.tile_stride +
                             ((lane & 7) + 8 * ((lane >> 3) & 1)) * G.pitch + 8 * (lane >> 4);
   const int tiles_per_plane = int(G.tiles_x * G.tiles_y);
@@ -495,17 +500,17 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
         bfrag[r][0] = pack_pair(b[0], b[1]);
         bfrag[r][1] = pack_pair(b[2], b[3]);
       }
-      // Per tap row, the fragments of all the warp's tiles are loaded before their products,
-      // which accumulate into independent tiles: loads and products overlap.
+      int mi = wp / G.nt, ni = wp % G.nt;
 #pragma unroll
-      for (int r = 0; r < kTaps; ++r) {
-        uint32_t a[kMmaUnits][4];
+      for (int k = 0; k < kMmaUnits; ++k, next_unit(mi, ni)) {
+        if (mi >= G.mt) break;
+        const T* window = lane_row + 16 * mi * G.pitch + 8 * ni;
 #pragma unroll
-        for (int k = 0; k < kMmaUnits; ++k)
-          if (k < my_units) load_fragment(a[k], lane_row + window[k] + r * G.pitch);
-#pragma unroll
-        for (int k = 0; k < kMmaUnits; ++k)
-          if (k < my_units) mma_16x8x16<T>(acc[k], a[k], bfrag[r]);
+        for (int r = 0; r < kTaps; ++r) {
+          uint32_t a[4];
+          load_fragment(a, window + r * G.pitch);
+          mma_16x8x16<T>(acc[k], a, bfrag[r]);
+        }
       }
     }
     if (live) {
@@ -513,7 +518,7 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
       int mi = wp / G.nt, ni = wp % G.nt;
 #pragma unroll
       for (int k = 0; k < kMmaUnits; ++k, next_unit(mi, ni)) {
-        if (k >= my_units) break;
+        if (mi >= G.mt) break;
         const int x = x0 + 8 * ni + 2 * q;
         const bool lo_inside = x >= 0 && x < G.cols.out;
         const bool hi_inside = x + 1 >= 0 && x + 1 < G.cols.out;
@@ -532,6 +537,366 @@ __global__ void __launch_bounds__(kMmaThreads, 4)
         }
       }
     }
+  }
+}
+
+// ---- Depthwise fast path: persistent blocks with a two-stage cp.async pipeline ---------------
+//
+// With one source plane per output plane (in_per_group == 1) and vector-aligned source rows, a
+// block walks its work items b = blockIdx.x, + gridDim.x, ... and copies the tiles of item
+// b + gridDim.x into the second of two shared buffers (cp.async, zero-filled outside the source)
+// while it computes item b: the copies' round trip overlaps the arithmetic instead of
+// serializing with it. The arithmetic and its order are those of the kernels above.
+
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool inside) {
+  const unsigned address = unsigned(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(src),
+               "r"(inside ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_wait_one() {
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+}
+
+// stage_tile_vectors with cp.async: the vectors of the tile are queued, not waited for.
+template <class T>
+__device__ __forceinline__ void stage_tile_async(T* tile, const T* __restrict__ source,
+                                                 int height, int width, int u0, int v0,
+                                                 int tile_rows, int tile_cols, int pitch, int tid,
+                                                 int threads) {
+  constexpr int kVector = 16 / int(sizeof(T));
+  const int vectors = (tile_cols + kVector - 1) / kVector;
+  const int col_threads = min(threads, vectors), row_threads = threads / col_threads;
+  if (tid >= col_threads * row_threads) return;
+  const int first_row = tid / col_threads;
+  for (int j = tid - first_row * col_threads; j < vectors; j += col_threads) {
+    const int col = v0 + j * kVector;
+    const bool inside = col >= 0 && col < width;  // whole vectors are inside or outside
+    const T* src = source + (inside ? col : 0);
+    T* dst = tile + j * kVector;
+    for (int a = first_row; a < tile_rows; a += row_threads) {
+      const int u = u0 + a;
+      const bool in = inside && unsigned(u) < unsigned(height);
+      cp_async_16(dst + a * pitch, in ? src + int64_t(u) * width : source, in);
+    }
+  }
+}
+
+// A thread's share of staging `parts` tiles of tile_rows x `vectors` 16-byte vectors at once
+// (split_block's split, then stage_tile_vectors' columns x rows), fixed for the whole kernel.
+struct AsyncStager {
+  int part;                   // the tile this thread stages (>= parts: none)
+  int first_row, row_step;    // rows first_row, + row_step, ...
+  int first_vec, vec_step;    // vectors first_vec, + vec_step, ...
+};
+
+__device__ __forceinline__ AsyncStager make_stager(int parts, int vectors) {
+  AsyncStager st;
+  const int threads = int(blockDim.x) / parts;
+  st.part = int(threadIdx.x) / threads;
+  const int tid = int(threadIdx.x) - st.part * threads;
+  const int col_threads = min(threads, vectors), row_threads = threads / col_threads;
+  if (tid >= col_threads * row_threads) st.part = parts;  // idle
+  st.first_row = tid / col_threads;
+  st.first_vec = tid - st.first_row * col_threads;
+  st.row_step = row_threads;
+  st.vec_step = col_threads;
+  return st;
+}
+
+// This thread's cp.async copies of one tile (see stage_tile_async).
+template <class T>
+__device__ __forceinline__ void stage_async(const AsyncStager& st, T* tile,
+                                            const T* __restrict__ source, int height, int width,
+                                            int u0, int v0, int tile_rows, int vectors,
+                                            int pitch) {
+  constexpr int kVector = 16 / int(sizeof(T));
+  for (int j = st.first_vec; j < vectors; j += st.vec_step) {
+    const int col = v0 + j * kVector;
+    const bool inside = col >= 0 && col < width;
+    const T* src = source + (inside ? col : 0);
+    T* dst = tile + j * kVector;
+    for (int a = st.first_row; a < tile_rows; a += st.row_step) {
+      const int u = u0 + a;
+      const bool in = inside && unsigned(u) < unsigned(height);
+      cp_async_16(dst + a * pitch, in ? src + int64_t(u) * width : source, in);
+    }
+  }
+}
+
+// Where item b of a stencil grid lies: its first plane and the origin of its output tile.
+struct StencilItem {
+  int first_plane, y0, x0;
+};
+
+__device__ __forceinline__ StencilItem stencil_item(const StencilGrid& G, int b, int tile_h,
+                                                    int tile_w) {
+  const int tiles_per_plane = int(G.tiles_x * G.tiles_y);
+  StencilItem it;
+  if (tiles_per_plane == 1) {  // whole planes (the common case): no divisions
+    it.first_plane = b * G.bz;
+    it.y0 = 0;
+    it.x0 = G.x_base;
+  } else {
+    const int tile = b % tiles_per_plane;
+    it.first_plane = (b / tiles_per_plane) * G.bz;
+    it.y0 = (tile / int(G.tiles_x)) * tile_h;
+    it.x0 = G.x_base + (tile % int(G.tiles_x)) * tile_w;
+  }
+  return it;
+}
+
+// Queues this thread's share of the source tiles of item `it` into `buffer` (bz tiles of
+// tile_stride elements).
+template <class T>
+__device__ __forceinline__ void stage_item_async(const StencilGrid& G, const AsyncStager& st,
+                                                 const T* __restrict__ source,
+                                                 const StencilItem& it, T* buffer) {
+  const int plane = it.first_plane + st.part;
+  if (st.part >= G.bz || plane >= G.planes) return;
+  // Depthwise (one source plane per output plane, as many): the source plane is the plane.
+  const bool same = G.in_channels == G.out_channels && G.out_per_group == 1;
+  const int64_t source_plane = same ? int64_t(plane) : G.source_plane(plane, 0);
+  constexpr int kVector = 16 / int(sizeof(T));
+  stage_async(st, buffer + st.part * G.tile_stride,
+              source + source_plane * (G.rows.source * G.cols.source), int(G.rows.source),
+              int(G.cols.source), int(G.rows.position(it.y0, 0)), int(G.cols.position(it.x0, 0)),
+              G.src_rows, (G.src_cols + kVector - 1) / kVector, G.pitch);
+}
+
+// Loads the kTaps x kTaps weights of a stencil plane from w (the plane's tap (0, 0)), with
+// immediate offsets in the depthwise layouts (forward: row kTaps, col 1; dgrad: flipped).
+template <int kTaps, class T, class F>
+__device__ __forceinline__ void for_each_tap(const StencilWeights& W, const T* w, const F& f) {
+  const auto run = [&](auto sign) {
+#pragma unroll
+    for (int r = 0; r < kTaps; ++r)
+#pragma unroll
+      for (int t = 0; t < kTaps; ++t) {
+        if constexpr (decltype(sign)::value == 0)
+          f(r, t, w[r * W.row + t * W.col]);
+        else
+          f(r, t, w[decltype(sign)::value * (r * kTaps + t)]);
+      }
+  };
+  if (W.col == 1 && W.row == kTaps)
+    run(std::integral_constant<int, 1>{});
+  else if (W.col == -1 && W.row == -kTaps)
+    run(std::integral_constant<int, -1>{});
+  else
+    run(std::integral_constant<int, 0>{});
+}
+
+// stencil_strip_kernel for in_per_group == 1 and G.vector_source, pipelined.
+template <class T, int kTaps, int kRows>
+__global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
+    stencil_strip_pipe_kernel(const T* __restrict__ source, const T* __restrict__ weight,
+                              const T* __restrict__ bias, T* __restrict__ out, const StencilGrid G) {
+  constexpr int kSpan = strip_span(kTaps);
+  extern __shared__ __align__(16) unsigned char shared_memory[];
+  T* const tiles = reinterpret_cast<T*>(shared_memory);
+  const int buffer = G.bz * G.tile_stride;
+  const int plane_threads = G.bx * G.by;
+  const int z = threadIdx.x / plane_threads;
+  const int t = threadIdx.x - z * plane_threads;
+  const int tx = t % G.bx, ty = t / G.bx;
+  const bool slot = z < G.bz;
+  const T* const strip =
+      tiles + (slot ? z : 0) * G.tile_stride + ty * kRows * G.pitch + tx * kStripCols;
+  const int64_t out_plane = G.rows.out * G.cols.out;
+  const int tile_h = G.by * kRows, tile_w = G.bx * kStripCols;
+  const AsyncStager st = make_stager(G.bz, (G.src_cols + 16 / int(sizeof(T)) - 1) / (16 / int(sizeof(T))));
+
+  int b = blockIdx.x;
+  StencilItem it = stencil_item(G, b, tile_h, tile_w);
+  if (b < G.blocks) stage_item_async(G, st, source, it, tiles);
+  cp_async_commit();
+  for (int k = 0; b < G.blocks; b += gridDim.x, k ^= 1) {
+    const int nb = b + gridDim.x;
+    const StencilItem next = stencil_item(G, nb, tile_h, tile_w);
+    if (nb < G.blocks) stage_item_async(G, st, source, next, tiles + (k ^ 1) * buffer);
+    cp_async_commit();
+    const int plane = it.first_plane + z;
+    const bool live = slot && plane < G.planes;
+    const int oc = plane % int(G.out_channels);
+    const int g = oc / int(G.out_per_group), o = oc % int(G.out_per_group);
+    const T start = (live && bias != nullptr) ? bias[oc] : T(0);
+    T acc[kRows][kStripCols];
+#pragma unroll
+    for (int j = 0; j < kRows; ++j)
+#pragma unroll
+      for (int c = 0; c < kStripCols; ++c) acc[j][c] = start;
+    T wr[kTaps][kTaps];
+    if (live)
+      for_each_tap<kTaps>(G.weights, weight + G.weights.offset(g, o, 0, 0, 0),
+                          [&](int r, int s, T v) { wr[r][s] = v; });
+    cp_async_wait_one();  // this thread's copies of item b have landed
+    __syncthreads();      // and everyone's
+    if (live) {
+      const T* my_strip = strip + k * buffer;
+#pragma unroll
+      for (int d = 0; d < kRows + kTaps - 1; ++d) {
+        T v[kSpan];
+        load_span(my_strip + d * G.pitch, v);
+#pragma unroll
+        for (int r = 0; r < kTaps; ++r) {
+          const int j = d - r;
+          if (j < 0 || j >= kRows) continue;
+#pragma unroll
+          for (int s = 0; s < kTaps; ++s)
+#pragma unroll
+            for (int c = 0; c < kStripCols; ++c) acc[j][c] += wr[r][s] * v[c + s];
+        }
+      }
+      const int x = it.x0 + tx * kStripCols;
+      T* dst = out + plane * out_plane;
+      // Columns all inside but not a vector (the tiles start one column early): plain stores.
+      const bool interior = !G.vector_out && x >= 0 && x + kStripCols <= G.cols.out;
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        const int y = it.y0 + ty * kRows + j;
+        if (y >= G.rows.out) continue;
+        T* row = dst + int64_t(y) * G.cols.out;
+        if (interior) {
+#pragma unroll
+          for (int c = 0; c < kStripCols; ++c) row[x + c] = acc[j][c];
+        } else {
+          store_four(row, x, G.cols.out, G.vector_out, acc[j]);
+        }
+      }
+    }
+    __syncthreads();  // buffer k has been consumed: the next iteration refills it
+    it = next;
+  }
+}
+
+// Two adjacent outputs of a half type as one packed pair (round to nearest even; the same bits
+// as from_acc except for the payload of NaNs).
+template <class T>
+__device__ __forceinline__ uint32_t pack_outputs(float lo, float hi) {
+  uint32_t r;
+  if constexpr (std::is_same_v<T, bfloat16>)
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// stencil_mma_kernel for in_per_group == 1 and G.vector_source, pipelined.
+template <class T, int kTaps>
+__global__ void __launch_bounds__(kMmaThreads, kMmaPipeBlocks)
+    stencil_mma_pipe_kernel(const T* __restrict__ source, const T* __restrict__ weight,
+                            const T* __restrict__ bias, T* __restrict__ out, const StencilGrid G) {
+  extern __shared__ __align__(16) unsigned char shared_memory[];
+  T* const tiles = reinterpret_cast<T*>(shared_memory);
+  const int buffer = G.bz * G.tile_stride;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, q = lane & 3;
+  const int z = warp / G.warps_per_plane, wp = warp - z * G.warps_per_plane;
+  const bool slot = z < G.bz;
+  const auto next_unit = [&](int& mi, int& ni) {
+    for (ni += G.warps_per_plane; ni >= G.nt; ni -= G.nt) ++mi;
+  };
+  const T* const lane_row = tiles + (slot ? z : 0) * G.tile_stride +
+                            ((lane & 7) + 8 * ((lane >> 3) & 1)) * G.pitch + 8 * (lane >> 4);
+  const int64_t out_plane = G.rows.out * G.cols.out;
+  const int tile_h = 16 * G.mt, tile_w = 8 * G.nt;
+  const AsyncStager st = make_stager(G.bz, (G.src_cols + 7) / 8);
+  // The lane's B-fragment taps (see stencil_mma_kernel): tap column s[e] of each tap row.
+  int tap[4];
+  bool in_taps[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    tap[e] = 2 * q + 8 * (e >> 1) + (e & 1) - g;
+    in_taps[e] = tap[e] >= 0 && tap[e] < kTaps;
+  }
+  // The depthwise layouts: weight (r, s) at w + sign * (r * kTaps + s); 0: general strides.
+  const int sign = (G.weights.col == 1 && G.weights.row == kTaps)     ? 1
+                   : (G.weights.col == -1 && G.weights.row == -kTaps) ? -1
+                                                                      : 0;
+
+  int b = blockIdx.x;
+  StencilItem it = stencil_item(G, b, tile_h, tile_w);
+  if (b < G.blocks) stage_item_async(G, st, source, it, tiles);
+  cp_async_commit();
+  for (int kb = 0; b < G.blocks; b += gridDim.x, kb ^= 1) {
+    const int nb = b + gridDim.x;
+    const StencilItem next = stencil_item(G, nb, tile_h, tile_w);
+    if (nb < G.blocks) stage_item_async(G, st, source, next, tiles + (kb ^ 1) * buffer);
+    cp_async_commit();
+    const int plane = it.first_plane + z;
+    const bool live = slot && plane < G.planes;
+    const int oc = plane % int(G.out_channels);
+    const int grp = oc / int(G.out_per_group), o = oc % int(G.out_per_group);
+    const float start = (live && bias != nullptr) ? to_acc(bias[oc]) : 0.f;
+    uint32_t bfrag[kTaps][2];
+    if (live) {
+      const T* w = weight + G.weights.offset(grp, o, 0, 0, 0);
+      const auto load = [&](auto fixed) {
+        constexpr int kSign = decltype(fixed)::value;
+        const T* base[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          base[e] = w + (kSign != 0 ? kSign * tap[e] : tap[e] * int(G.weights.col));
+#pragma unroll
+        for (int r = 0; r < kTaps; ++r) {
+          T bb[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            bb[e] = in_taps[e] ? base[e][kSign != 0 ? kSign * r * kTaps : r * int(G.weights.row)]
+                               : T{};
+          bfrag[r][0] = pack_pair(bb[0], bb[1]);
+          bfrag[r][1] = pack_pair(bb[2], bb[3]);
+        }
+      };
+      if (sign == 1)
+        load(std::integral_constant<int, 1>{});
+      else if (sign == -1)
+        load(std::integral_constant<int, -1>{});
+      else
+        load(std::integral_constant<int, 0>{});
+    }
+    cp_async_wait_one();
+    __syncthreads();
+    if (live) {
+      const T* const my_row = lane_row + kb * buffer;
+      T* const dst_plane = out + plane * out_plane;
+      int mi = wp / G.nt, ni = wp % G.nt;
+#pragma unroll
+      for (int k = 0; k < kMmaUnits; ++k, next_unit(mi, ni)) {
+        if (mi >= G.mt) break;
+        float acc[4] = {start, start, start, start};
+        const T* window = my_row + 16 * mi * G.pitch + 8 * ni;
+#pragma unroll
+        for (int r = 0; r < kTaps; ++r) {
+          uint32_t a[4];
+          load_fragment(a, window + r * G.pitch);
+          mma_16x8x16<T>(acc, a, bfrag[r]);
+        }
+        // The lane holds outputs (g, 2q + e) in acc[e] and (g + 8, 2q + e) in acc[2 + e].
+        const int x = it.x0 + 8 * ni + 2 * q;
+        const bool lo_inside = x >= 0 && x < G.cols.out;
+        const bool hi_inside = x + 1 >= 0 && x + 1 < G.cols.out;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int y = it.y0 + 16 * mi + g + 8 * h;
+          if (y >= G.rows.out) continue;
+          T* dst = dst_plane + int64_t(y) * G.cols.out + x;
+          const uint32_t pair = pack_outputs<T>(acc[2 * h], acc[2 * h + 1]);
+          if (G.vector_out && lo_inside && hi_inside) {
+            *reinterpret_cast<uint32_t*>(dst) = pair;
+          } else {
+            if (lo_inside) dst[0] = T{uint16_t(pair & 0xffffu)};
+            if (hi_inside) dst[1] = T{uint16_t(pair >> 16)};
+          }
+        }
+      }
+    }
+    __syncthreads();
+    it = next;
   }
 }
 
@@ -793,6 +1158,44 @@ void launch_stencil_mma(cudaStream_t stream, const T* source, const T* weight, c
   stencil_mma_kernel<T, kTaps><<<blocks, threads, shared, stream>>>(source, weight, bias, out, G);
 }
 
+// The pipelined kernels' launches: as many blocks as stay resident (persistent blocks), two
+// shared buffers each.
+template <class Kernel>
+unsigned launch_pipelined(Kernel kernel, int blocks_per_sm, int64_t items, size_t shared) {
+  // Always: with a kernel's static shared memory, even 48 KiB of dynamic memory needs opting in.
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
+  return unsigned(std::min<int64_t>(items, int64_t(multiprocessor_count()) * blocks_per_sm));
+}
+
+template <class T, int kTaps, int kRows>
+void launch_stencil_strips_pipe(cudaStream_t stream, const T* source, const T* weight,
+                                const T* bias, T* out, const StencilGrid& G) {
+  const int threads = int(round_up(int64_t(G.bx) * G.by * G.bz, 32));
+  const size_t shared = 2 * size_t(G.bz) * size_t(G.tile_stride) * sizeof(T);
+  const auto kernel = stencil_strip_pipe_kernel<T, kTaps, kRows>;
+  const unsigned blocks = launch_pipelined(kernel, strip_blocks_per_sm<T>(), G.blocks, shared);
+  kernel<<<blocks, threads, shared, stream>>>(source, weight, bias, out, G);
+}
+
+template <class T, int kTaps>
+void launch_stencil_mma_pipe(cudaStream_t stream, const T* source, const T* weight, const T* bias,
+                             T* out, const StencilGrid& G) {
+  const int threads = 32 * G.warps_per_plane * G.bz;
+  const size_t shared = 2 * size_t(G.bz) * size_t(G.tile_stride) * sizeof(T);
+  const auto kernel = stencil_mma_pipe_kernel<T, kTaps>;
+  const unsigned blocks = launch_pipelined(kernel, kMmaPipeBlocks, G.blocks, shared);
+  kernel<<<blocks, threads, shared, stream>>>(source, weight, bias, out, G);
+}
+
+// The pipelined kernels apply: one source plane per output plane, staged as whole vectors.
+bool pipelined(const StencilGrid& G) {
+#ifdef JK_DW_NO_PIPE
+  return false;
+#else
+  return G.in_per_group == 1 && G.vector_source;
+#endif
+}
+
 template <class T>
 ffi::Error run_stencil(cudaStream_t stream, const char* op, const T* source, const T* weight,
                        const T* bias, T* out, StencilGrid G) {
@@ -801,6 +1204,12 @@ ffi::Error run_stencil(cudaStream_t stream, const char* op, const T* source, con
   const int taps = unrolled_taps(G.rows, G.cols);
   if constexpr (is_half_type<T>()) {
     if (taps > 0 && plan_stencil_mma(G, source, out, taps)) {
+      if (pipelined(G)) {
+        if (taps == 3) launch_stencil_mma_pipe<T, 3>(stream, source, weight, bias, out, G);
+        if (taps == 5) launch_stencil_mma_pipe<T, 5>(stream, source, weight, bias, out, G);
+        if (taps == 7) launch_stencil_mma_pipe<T, 7>(stream, source, weight, bias, out, G);
+        return launch_status(op);
+      }
       if (taps == 3) launch_stencil_mma<T, 3>(stream, source, weight, bias, out, G);
       if (taps == 5) launch_stencil_mma<T, 5>(stream, source, weight, bias, out, G);
       if (taps == 7) launch_stencil_mma<T, 7>(stream, source, weight, bias, out, G);
@@ -809,6 +1218,18 @@ ffi::Error run_stencil(cudaStream_t stream, const char* op, const T* source, con
   } else {
     const int rows = taps > 0 ? strip_rows(G.rows.out, G.cols.out) : 0;
     if (taps > 0 && plan_stencil_strips(G, source, out, taps, rows)) {
+      if (pipelined(G)) {
+        if (rows == 7) {
+          if (taps == 3) launch_stencil_strips_pipe<T, 3, 7>(stream, source, weight, bias, out, G);
+          if (taps == 5) launch_stencil_strips_pipe<T, 5, 7>(stream, source, weight, bias, out, G);
+          if (taps == 7) launch_stencil_strips_pipe<T, 7, 7>(stream, source, weight, bias, out, G);
+        } else {
+          if (taps == 3) launch_stencil_strips_pipe<T, 3, 8>(stream, source, weight, bias, out, G);
+          if (taps == 5) launch_stencil_strips_pipe<T, 5, 8>(stream, source, weight, bias, out, G);
+          if (taps == 7) launch_stencil_strips_pipe<T, 7, 8>(stream, source, weight, bias, out, G);
+        }
+        return launch_status(op);
+      }
       if (rows == 7) {
         if (taps == 3) launch_stencil_strips<T, 3, 7>(stream, source, weight, bias, out, G);
         if (taps == 5) launch_stencil_strips<T, 5, 7>(stream, source, weight, bias, out, G);
@@ -918,7 +1339,9 @@ WgradPlan plan_wgrad(const ConvProblem& p) {
                                         std::min<int64_t>(p.N, kSharedBytes / tile_bytes)));
     }
   }
-  const int64_t blocks = plan.kernel == WgradKernel::kMma ? kWgradMmaBlocks : kWgradBlocks;
+  const int64_t blocks = plan.kernel == WgradKernel::kMma      ? kWgradMmaBlocks
+                        : plan.kernel == WgradKernel::kStrips ? kWgradStripBlocks
+                                                              : kWgradBlocks;
   const int64_t wanted = std::clamp<int64_t>(ceil_div(blocks, pairs), 1, p.N);
   plan.images = round_up(ceil_div(p.N, wanted), plan.bz);
   plan.slices = ceil_div(p.N, plan.images);
@@ -1030,6 +1453,121 @@ __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
   }
 }
 
+// wgrad_strip_kernel with its x tiles pipelined (vector_x): persistent blocks walk the steps
+// (block item b, images n0 .. n0 + bz - 1, tile) of their items in the same order as
+// wgrad_strip_kernel, copying the x tiles of the next step with cp.async into a second shared
+// buffer while computing the current one. The sums and their order are wgrad_strip_kernel's.
+template <class T, int kTaps, int kRows>
+__global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
+    wgrad_strip_pipe_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                            T* __restrict__ partial, const WgradGrid G) {
+  constexpr int kSpan = strip_span(kTaps);
+  extern __shared__ __align__(16) unsigned char shared_memory[];
+  T* const tiles = reinterpret_cast<T*>(shared_memory);
+  const int buffer = G.bz * G.tile_stride;
+  const ConvProblem& p = G.p;
+  const int plane_threads = G.bx * G.by;
+  const int z = threadIdx.x / plane_threads;
+  const int t = threadIdx.x - z * plane_threads;
+  const int tx = t % G.bx, ty = t / G.bx;
+  const bool slot = z < G.bz;
+  const T* const strip =
+      tiles + (slot ? z : 0) * G.tile_stride + ty * kRows * G.pitch + tx * kStripCols;
+  const int64_t Kg = p.filters_per_group(), Cg = p.channels_per_group();
+  const StencilAxis rows = forward_rows(p), cols = forward_cols(p);
+  const int tiles_per_plane = int(G.tiles_x * G.tiles_y);
+  const int64_t items = G.slices * G.pairs;
+
+  // A step: block item b, its images from n0, output tile `tile`.
+  struct Step {
+    int64_t b, n0;
+    int tile;
+  };
+  const auto first_image = [&](int64_t b) { return (b / G.pairs) * G.images; };
+  const auto last_image = [&](int64_t b) { return std::min(p.N, first_image(b) + G.images); };
+  const auto advance = [&](Step s) {
+    if (++s.tile < tiles_per_plane) return s;
+    s.tile = 0;
+    s.n0 += G.bz;
+    if (s.n0 < last_image(s.b)) return s;
+    s.b += gridDim.x;
+    if (s.b < items) s.n0 = first_image(s.b);
+    return s;
+  };
+  const auto tile_origin = [&](int tile, int& y0, int& x0) {
+    y0 = (tile / int(G.tiles_x)) * (G.by * kRows);
+    x0 = G.x_base + (tile % int(G.tiles_x)) * (G.bx * kStripCols);
+  };
+  const auto stage = [&](const Step& s, T* buf) {
+    const int64_t pair = s.b % G.pairs, k = pair / Cg, c = pair % Cg;
+    const int64_t channel = (k / Kg) * Cg + c;
+    int y0, x0;
+    tile_origin(s.tile, y0, x0);
+    const int u0 = int(rows.position(y0, 0)), v0 = int(cols.position(x0, 0));
+    split_block(int(std::min<int64_t>(G.bz, last_image(s.b) - s.n0)),
+                [&](int zz, int tid, int threads) {
+                  const T* x_plane = x + ((s.n0 + zz) * p.C + channel) * p.H * p.W;
+                  stage_tile_async(buf + zz * G.tile_stride, x_plane, int(p.H), int(p.W), u0, v0,
+                                   G.src_rows, G.src_cols, G.pitch, tid, threads);
+                });
+  };
+
+  Step cur{blockIdx.x, 0, 0};
+  if (cur.b < items) {
+    cur.n0 = first_image(cur.b);
+    stage(cur, tiles);
+  }
+  cp_async_commit();
+  T acc[kTaps * kTaps];
+#pragma unroll
+  for (int e = 0; e < kTaps * kTaps; ++e) acc[e] = T(0);
+  for (int kb = 0; cur.b < items; kb ^= 1) {
+    const Step next = advance(cur);
+    if (next.b < items) stage(next, tiles + (kb ^ 1) * buffer);
+    cp_async_commit();
+    const int64_t k = (cur.b % G.pairs) / Cg;
+    const int64_t n = cur.n0 + z;
+    const bool live = slot && n < last_image(cur.b);
+    int y0, x0;
+    tile_origin(cur.tile, y0, x0);
+    const int q = x0 + tx * kStripCols, y = y0 + ty * kRows;
+    const T* dy_rows = dy + ((n * p.K + k) * p.P + y) * p.Q;
+    T d[kRows][kStripCols];
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      const bool inside = live && y + j < p.P;
+      load_four(dy_rows + j * p.Q, q, inside ? p.Q : 0, G.vector_dy, d[j]);
+    }
+    cp_async_wait_one();
+    __syncthreads();
+    if (live) {
+      const T* my_strip = strip + kb * buffer;
+#pragma unroll
+      for (int dd = 0; dd < kRows + kTaps - 1; ++dd) {
+        T v[kSpan];
+        load_span(my_strip + dd * G.pitch, v);
+#pragma unroll
+        for (int r = 0; r < kTaps; ++r) {
+          const int j = dd - r;
+          if (j < 0 || j >= kRows) continue;
+#pragma unroll
+          for (int s = 0; s < kTaps; ++s)
+#pragma unroll
+            for (int cc = 0; cc < kStripCols; ++cc) acc[r * kTaps + s] += d[j][cc] * v[cc + s];
+        }
+      }
+    }
+    if (next.b != cur.b) {  // the item's last step: its sums, in block_sum's fixed order
+      block_sum(acc, partial + cur.b * (kTaps * kTaps));
+#pragma unroll
+      for (int e = 0; e < kTaps * kTaps; ++e) acc[e] = T(0);
+    } else {
+      __syncthreads();  // buffer kb has been consumed: the next step refills it
+    }
+    cur = next;
+  }
+}
+
 // Unit stride and dilation, kTaps x kTaps taps, float16/bfloat16, on tensor cores. With v a row
 // of the x tile, C[r][s] = sum_{v, x} dy[v - r][x] * x[v][x + s]: for each v and 16 columns
 // x0 .. x0 + 15, A[m][k] = dy[v - m][x0 + k] (16 x 16, rows m >= kTaps unused) and
@@ -1037,7 +1575,7 @@ __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
 // Block (slice, pair): its warps split the (v, x0) steps of every tile of every image of the
 // slice, then the warps' sums are added in order.
 template <class T, int kTaps>
-__global__ void __launch_bounds__(kMmaThreads, 6)
+__global__ void __launch_bounds__(kMmaThreads, 8)
     wgrad_mma_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                      float* __restrict__ partial, const WgradGrid G) {
   extern __shared__ __align__(16) unsigned char shared_memory[];
@@ -1065,9 +1603,7 @@ __global__ void __launch_bounds__(kMmaThreads, 6)
     const int64_t slice = b / G.pairs, pair = b % G.pairs;
     const int64_t k = pair / Cg, c = pair % Cg;
     const int64_t channel = (k / Kg) * Cg + c;
-    // Even and odd steps of the warp accumulate apart (two independent product chains), added
-    // at the end.
-    float acc[2][4] = {};
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
     const int64_t first = slice * G.images, last = std::min(p.N, first + G.images);
     for (int64_t n = first; n < last; ++n) {
       for (int tile = 0; tile < tiles_per_plane; ++tile) {
@@ -1101,31 +1637,21 @@ __global__ void __launch_bounds__(kMmaThreads, 6)
         // Steps (v, x_step) = warp, warp + warps, ... in row-major order, walked without
         // divisions.
         const T* const b_tile = b_lane + offset;
-        const int v_end = tile_rows + kTaps - 1;
-        for (int v = warp / col_steps, xs = warp % col_steps; v < v_end;) {
-          uint32_t a[2][4], bfrag[2][2];
-          bool live[2];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            live[e] = v < v_end;
-            if (live[e]) {
-              load_fragment(a[e], a_lane + v * M.dy_pitch + 16 * xs);
-              const T* xb = b_tile + v * M.x_pitch + 16 * xs;
-              bfrag[e][0] = pack_pair(xb[0], xb[1]);
-              bfrag[e][1] = pack_pair(xb[8], xb[9]);
-            }
-            for (xs += warps; xs >= col_steps; xs -= col_steps) ++v;
-          }
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            if (live[e]) mma_16x8x16<T>(acc[e], a[e], bfrag[e]);
+        for (int v = warp / col_steps, xs = warp % col_steps; v < tile_rows + kTaps - 1;) {
+          uint32_t a[4], bfrag[2];
+          load_fragment(a, a_lane + v * M.dy_pitch + 16 * xs);
+          const T* xb = b_tile + v * M.x_pitch + 16 * xs;
+          bfrag[0] = pack_pair(xb[0], xb[1]);
+          bfrag[1] = pack_pair(xb[8], xb[9]);
+          mma_16x8x16<T>(acc, a, bfrag);
+          for (xs += warps; xs >= col_steps; xs -= col_steps) ++v;
         }
       }
     }
-    // The lane holds C[g][2q + e] in acc[.][e] (acc[.][2], acc[.][3]: rows g + 8, unused).
+    // The lane holds C[g][2q + e] in acc[e] (acc[2], acc[3]: rows g + 8, unused).
 #pragma unroll
     for (int e = 0; e < 2; ++e)
-      if (g < kTaps && 2 * q + e < kTaps) sums[warp][g * kTaps + 2 * q + e] = acc[0][e] + acc[1][e];
+      if (g < kTaps && 2 * q + e < kTaps) sums[warp][g * kTaps + 2 * q + e] = acc[e];
     __syncthreads();
     for (int t = threadIdx.x; t < kTaps * kTaps; t += blockDim.x) {
       float sum = sums[0][t];
@@ -1201,6 +1727,17 @@ void launch_wgrad_strips(cudaStream_t stream, const T* dy, const T* x, T* partia
   wgrad_strip_kernel<T, kTaps, kRows><<<blocks, threads, shared, stream>>>(dy, x, partial, G);
 }
 
+template <class T, int kTaps, int kRows>
+void launch_wgrad_strips_pipe(cudaStream_t stream, const T* dy, const T* x, T* partial,
+                              const WgradGrid& G) {
+  const int threads = int(round_up(int64_t(G.bx) * G.by * G.bz, 32));
+  const size_t shared = 2 * size_t(G.bz) * size_t(G.tile_stride) * sizeof(T);
+  const auto kernel = wgrad_strip_pipe_kernel<T, kTaps, kRows>;
+  const unsigned blocks =
+      launch_pipelined(kernel, strip_blocks_per_sm<T>(), G.slices * G.pairs, shared);
+  kernel<<<blocks, threads, shared, stream>>>(dy, x, partial, G);
+}
+
 template <class T, int kTaps>
 void launch_wgrad_mma(cudaStream_t stream, const T* dy, const T* x, float* partial,
                       const WgradGrid& G) {
@@ -1253,6 +1790,19 @@ ffi::Error run_wgrad(cudaStream_t stream, const T* dy, const T* x, T* dw, const 
       G.x_base = plan.x_base;
       G.vector_x = p.W % (16 / int64_t(sizeof(T))) == 0 && aligned_to(x, 16);
       G.vector_dy = G.x_base % 4 == 0 && p.Q % 4 == 0 && aligned_to(dy, 4 * sizeof(T));
+#ifndef JK_DW_NO_PIPE
+      if (G.vector_x) {
+        if (plan.rows == 7) {
+          if (taps == 3) launch_wgrad_strips_pipe<T, 3, 7>(stream, dy, x, partial, G);
+          if (taps == 5) launch_wgrad_strips_pipe<T, 5, 7>(stream, dy, x, partial, G);
+          if (taps == 7) launch_wgrad_strips_pipe<T, 7, 7>(stream, dy, x, partial, G);
+        } else {
+          if (taps == 3) launch_wgrad_strips_pipe<T, 3, 8>(stream, dy, x, partial, G);
+          if (taps == 5) launch_wgrad_strips_pipe<T, 5, 8>(stream, dy, x, partial, G);
+          if (taps == 7) launch_wgrad_strips_pipe<T, 7, 8>(stream, dy, x, partial, G);
+        }
+      } else
+#endif
       if (plan.rows == 7) {
         if (taps == 3) launch_wgrad_strips<T, 3, 7>(stream, dy, x, partial, G);
         if (taps == 5) launch_wgrad_strips<T, 5, 7>(stream, dy, x, partial, G);
