@@ -1,5 +1,9 @@
 """Small forward + backward cases of every op, for compute-sanitizer memcheck on the GPU
-(scripts/gpu_check.sh). Shapes are odd on purpose: tails, broadcasts, zero repeats."""
+(scripts/gpu_check.sh). Shapes are odd on purpose: tails, broadcasts, zero repeats.
+
+    python scripts/sanitize_cases.py [op ...]    (default: every op, e.g. conv2d grid_sample)"""
+
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,13 +19,20 @@ def rand(*shape, dtype=jnp.float32):
     return jnp.asarray(rng.uniform(-1, 1, size=shape)).astype(dtype)
 
 
-for dtype in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64):
+
+def lerp_cases(dtype):
     a, b, w = rand(3, 37, dtype=dtype), rand(37, dtype=dtype), rand(3, 1, dtype=dtype)
     jax.block_until_ready(jax.grad(lambda a, b, w: jnp.sum(jk.lerp(a, b, w).astype(jnp.float32)), argnums=(0, 1, 2))(a, b, w))
     jax.block_until_ready(jax.grad(lambda a, b: jnp.sum(jk.lerp(a, b, 0.7).astype(jnp.float32)), argnums=(0, 1))(a, a))
+
+
+def repeat_cases(dtype):
     for shape, repeats in (((5, 7), (3, 2)), ((2, 3), (0, 2)), ((1, 1), (40, 70)), ((3,), (2, 1, 2)), ((64, 64), (2, 2))):
         x = rand(*shape, dtype=dtype)
         jax.block_until_ready(jax.grad(lambda v: jnp.sum(jk.repeat(v, repeats).astype(jnp.float32)))(x))
+
+
+def roi_align_cases(dtype):
     # roi_align: boxes inside, outside, reversed, degenerate, NaN, huge and with invalid batch
     # indices; fixed and adaptive grids, both input-gradient paths, a vmap, no boxes.
     x = rand(2, 5, 9, 11, dtype=dtype)
@@ -37,6 +48,9 @@ for dtype in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64):
         jax.block_until_ready(jax.vmap(grad)(jnp.stack([x, -x]), jnp.stack([boxes, boxes])))
     no_boxes = lambda x: jnp.sum(jk.roi_align(x, boxes[:0], 3).astype(jnp.float32))
     jax.block_until_ready(jax.grad(no_boxes)(x))
+
+
+def grid_sample_cases(dtype):
     # grid_sample: every mode, 4-D and 5-D, coordinates inside, outside, on the borders, NaN,
     # infinite and huge, under each padding; both d_input paths, a vmap over grids, no points.
     specials = [0.3, -1.0, 1.0, -1.7, 2.5, np.nan, np.inf, -np.inf, 1e30, -1e10]
@@ -58,6 +72,9 @@ for dtype in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64):
         jax.block_until_ready(jax.vmap(grad, (None, 0))(x, jnp.stack([grid, -grid])))
         no_points = lambda x: jnp.sum(jk.grid_sample(x, grid[:, :0]).astype(jnp.float32))
         jax.block_until_ready(jax.grad(no_points)(x))
+
+
+def conv2d_cases(dtype):
     # conv2d: the unrolled 7x7/5x5/3x3 stencils (strip kernels, 7- and 8-row strips; tensor-core
     # kernels for the half types; 16-byte vector and element staging; several column and row
     # tiles), the generic and the global-memory stencils, every weight-gradient kernel, the bias
@@ -81,4 +98,11 @@ for dtype in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64):
         jax.block_until_ready(conv_grad(x, w, b))
     jax.block_until_ready(jax.vmap(conv_grad, in_axes=(None, 0, 0))(x, jnp.stack([w, -w]), jnp.stack([b, b])))
     jax.block_until_ready(jax.grad(lambda w: jnp.sum(jk.conv2d(x[:0], w, **options).astype(jnp.float32)))(w))
+
+
+OPS = {"lerp": lerp_cases, "repeat": repeat_cases, "roi_align": roi_align_cases,
+       "grid_sample": grid_sample_cases, "conv2d": conv2d_cases}
+for dtype in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64):
+    for op in sys.argv[1:] or OPS:
+        OPS[op](dtype)
 print("sanitize cases ran")
