@@ -7,7 +7,8 @@
 #   scripts/gpu_check.sh [pytest args...]      (carry .whl; results land in $OUT)
 #
 # Environment: SKIP_DENSE_CHECK=1, SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_BENCH=1, BENCH_OPS=lerp,repeat,
-# CUDA_ARCHS (default 90).
+# CUDA_ARCHS (default 90), RACECHECK_OPS="conv2d grid_sample" (adds a racecheck run of those ops'
+# cases, RACECHECK_DTYPES default float32,bfloat16, limited to RACECHECK_SECONDS, default 300).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jk_out}
@@ -50,6 +51,16 @@ if [ -z "${SKIP_SANITIZER:-}" ]; then
     --error-exitcode 3 python3 scripts/sanitize_cases.py 2>&1 | tee "$OUT/sanitizer.log" | tail -15
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   echo "sanitizer: $(( $(date +%s) - start )) s"
+fi
+
+if [ -n "${RACECHECK_OPS:-}" ]; then  # shared-memory hazards; slow, so a subset of the cases
+  start=$(date +%s)
+  # shellcheck disable=SC2086
+  JAX_PLATFORMS=cuda timeout -s KILL "${RACECHECK_SECONDS:-300}" compute-sanitizer --tool racecheck \
+    --kernel-name kns=jax_kernels --error-exitcode 3 python3 scripts/sanitize_cases.py \
+    --dtypes "${RACECHECK_DTYPES:-float32,bfloat16}" $RACECHECK_OPS 2>&1 | tee "$OUT/racecheck.log" | tail -5
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  echo "racecheck: $(( $(date +%s) - start )) s"
 fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then

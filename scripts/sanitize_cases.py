@@ -1,7 +1,8 @@
 """Small forward + backward cases of every op, for compute-sanitizer memcheck on the GPU
 (scripts/gpu_check.sh). Shapes are odd on purpose: tails, broadcasts, zero repeats.
 
-    python scripts/sanitize_cases.py [op ...]    (default: every op, e.g. conv2d grid_sample)"""
+    python scripts/sanitize_cases.py [--dtypes float32,bfloat16] [op ...]
+    (default: every op and every dtype; ops e.g. conv2d grid_sample)"""
 
 import sys
 
@@ -102,7 +103,11 @@ def conv2d_cases(dtype):
 
 OPS = {"lerp": lerp_cases, "repeat": repeat_cases, "roi_align": roi_align_cases,
        "grid_sample": grid_sample_cases, "conv2d": conv2d_cases}
-for dtype in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64):
-    for op in sys.argv[1:] or OPS:
-        OPS[op](dtype)
+args = sys.argv[1:]
+dtypes = ["float16", "bfloat16", "float32", "float64"]
+if args[:1] == ["--dtypes"]:
+    dtypes, args = args[1].split(","), args[2:]
+for dtype in dtypes:
+    for op in args or OPS:
+        OPS[op](jnp.dtype(dtype))
 print("sanitize cases ran")
