@@ -460,6 +460,13 @@ def cases_conv2d(ctx: Context) -> list[Case]:
         fwd = Case(f"{label} fwd", x_bytes + w_bytes + y_bytes)
         dgrad = Case(f"{label} dgrad", y_bytes + w_bytes + x_bytes)
         wgrad = Case(f"{label} wgrad", y_bytes + x_bytes + w_bytes)
+        # Ten calls inside one jit, on ten weights (fwd) or ten output gradients (dgrad, wgrad)
+        # so that XLA cannot merge them: the per-call time without JAX's per-dispatch cost,
+        # which is most of the time of the small dense cases.
+        ten = [Case(f"{case.name}, 10 calls in one jit", case.floor_bytes, calls=10)
+               for case in (fwd, dgrad, wgrad)]
+        ws = [w * (1 - 0.01 * i) for i in range(10)]
+        dys = [dy * (1 - 0.01 * i) for i in range(10)]
         for contender, conv in (("jax_kernels", ours), ("lax.conv", lax_conv)):
             f = jax.jit(conv)
             d = jax.jit(lambda x, w, dy, conv=conv: jax.vjp(lambda x: conv(x, w), x)[1](dy)[0])
@@ -468,6 +475,15 @@ def cases_conv2d(ctx: Context) -> list[Case]:
             fwd.contenders.append(Contender(contender, lambda f=f, a=args: f(*a[:2])))
             dgrad.contenders.append(Contender(contender, lambda d=d, a=args: d(*a)))
             wgrad.contenders.append(Contender(contender, lambda g=g, a=args: g(*a)))
+            f10 = jax.jit(lambda x, ws, conv=conv: [conv(x, v) for v in ws])
+            d10 = jax.jit(lambda x, w, dys, conv=conv: [
+                jax.vjp(lambda x: conv(x, w), x)[1](v)[0] for v in dys])
+            g10 = jax.jit(lambda x, w, dys, conv=conv: [
+                jax.vjp(lambda w: conv(x, w), w)[1](v)[0] for v in dys])
+            many = (x, w, ws, dys)
+            ten[0].contenders.append(Contender(contender, lambda f=f10, a=many: f(a[0], a[2])))
+            ten[1].contenders.append(Contender(contender, lambda d=d10, a=many: d(a[0], a[1], a[3])))
+            ten[2].contenders.append(Contender(contender, lambda g=g10, a=many: g(a[0], a[1], a[3])))
         if ctx.torch_device is not None:
             def to_torch(a, dtype=dtype):
                 t = torch.from_numpy(np.asarray(a.astype(jnp.float32))).to(ctx.torch_device)
@@ -484,7 +500,7 @@ def cases_conv2d(ctx: Context) -> list[Case]:
             wgrad.contenders.append(Contender(
                 "torch", lambda t=t, o=o: torch.nn.grad.conv2d_weight(t[0], t[1].shape, t[2], **o),
                 "torch"))
-        cases += [fwd, dgrad, wgrad]
+        cases += [fwd, dgrad, wgrad, *ten]
     return cases
 
 
@@ -526,7 +542,7 @@ def run(ops: list[str], quick: bool, dispatches: int, rounds: int) -> dict:
     print(f"# {device} ({platform}), jax {jax.__version__}, torch {report['torch']}, "
           f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write), "
           f"JAX dispatch of a one-element jit {overhead:.4f} ms")
-    print(f"{'case':66s} {'contender':12s} {'ms':>9s} {'x floor':>8s} {'x jk':>7s}")
+    print(f"{'case':72s} {'contender':12s} {'ms':>9s} {'x floor':>8s} {'x jk':>7s}")
     for op in ops:
         for case in CASES[op](ctx):
             floor_ms = case.floor_bytes / bandwidth * 1e3
@@ -534,7 +550,7 @@ def run(ops: list[str], quick: bool, dispatches: int, rounds: int) -> dict:
             ours = times.get("jax_kernels")
             for name, ms in times.items():
                 ratio = f"{ms / ours:7.2f}" if ours else "      -"
-                print(f"{case.name[:66]:66s} {name:12s} {ms:9.4f} {ms / floor_ms:8.2f} {ratio}")
+                print(f"{case.name[:72]:72s} {name:12s} {ms:9.4f} {ms / floor_ms:8.2f} {ratio}")
             report["cases"].append({"case": case.name, "floor_ms": floor_ms, "ms": times})
             sys.stdout.flush()
     return report
