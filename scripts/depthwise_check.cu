@@ -111,31 +111,13 @@ __global__ void reference_wgrad(const T* dy, const T* x, double* dw, ConvProblem
 
 template <class T>
 void forward(cudaStream_t stream, const T* x, const T* w, T* y, const ConvProblem& p) {
-  StencilGrid G{};
-  G.rows = forward_rows(p);
-  G.cols = forward_cols(p);
-  G.weights = forward_weights(p);
-  G.planes = p.N * p.K;
-  G.out_channels = p.K;
-  G.in_channels = p.C;
-  G.in_per_group = p.channels_per_group();
-  G.out_per_group = p.filters_per_group();
-  ffi::Error e = run_stencil<T>(stream, "fwd", x, w, nullptr, y, G);
+  ffi::Error e = run_stencil<T>(stream, "fwd", x, w, nullptr, y, forward_grid(p));
   if (e.failure()) printf("forward failed\n");
 }
 
 template <class T>
 void dgrad(cudaStream_t stream, const T* dy, const T* w, T* dx, const ConvProblem& p) {
-  StencilGrid G{};
-  G.rows = backward_data_rows(p);
-  G.cols = backward_data_cols(p);
-  G.weights = backward_data_weights(p);
-  G.planes = p.N * p.C;
-  G.out_channels = p.C;
-  G.in_channels = p.K;
-  G.in_per_group = p.filters_per_group();
-  G.out_per_group = p.channels_per_group();
-  ffi::Error e = run_stencil<T>(stream, "dgrad", dy, w, nullptr, dx, G);
+  ffi::Error e = run_stencil<T>(stream, "dgrad", dy, w, nullptr, dx, backward_data_grid(p));
   if (e.failure()) printf("dgrad failed\n");
 }
 

@@ -1187,6 +1187,34 @@ void launch_stencil_mma_pipe(cudaStream_t stream, const T* source, const T* weig
   kernel<<<blocks, threads, shared, stream>>>(source, weight, bias, out, G);
 }
 
+// The stencil of the forward (y from x) and of the dgrad (dx from dy with the flipped filter):
+// what it reads and writes; run_stencil fills in the launch shape.
+StencilGrid forward_grid(const ConvProblem& p) {
+  StencilGrid G{};
+  G.rows = forward_rows(p);
+  G.cols = forward_cols(p);
+  G.weights = forward_weights(p);
+  G.planes = p.N * p.K;
+  G.out_channels = p.K;
+  G.in_channels = p.C;
+  G.in_per_group = p.channels_per_group();
+  G.out_per_group = p.filters_per_group();
+  return G;
+}
+
+StencilGrid backward_data_grid(const ConvProblem& p) {
+  StencilGrid G{};
+  G.rows = backward_data_rows(p);
+  G.cols = backward_data_cols(p);
+  G.weights = backward_data_weights(p);
+  G.planes = p.N * p.C;
+  G.out_channels = p.C;
+  G.in_channels = p.K;
+  G.in_per_group = p.filters_per_group();
+  G.out_per_group = p.channels_per_group();
+  return G;
+}
+
 // The pipelined kernels apply: one source plane per output plane, staged as whole vectors.
 bool pipelined(const StencilGrid& G) {
 #ifdef JK_DW_NO_PIPE
@@ -1963,18 +1991,9 @@ ffi::Error conv2d_forward(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
     return error;
   return dispatch_float(x.element_type(), "conv2d", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    StencilGrid G{};
-    G.rows = forward_rows(p);
-    G.cols = forward_cols(p);
-    G.weights = forward_weights(p);
-    G.planes = p.N * p.K;
-    G.out_channels = p.K;
-    G.in_channels = p.C;
-    G.in_per_group = p.channels_per_group();
-    G.out_per_group = p.filters_per_group();
     return run_stencil<T>(stream, "conv2d", static_cast<const T*>(x.untyped_data()),
                           static_cast<const T*>(w.untyped_data()), static_cast<const T*>(bias_data),
-                          static_cast<T*>(y->untyped_data()), G);
+                          static_cast<T*>(y->untyped_data()), forward_grid(p));
   });
 }
 
@@ -1997,18 +2016,9 @@ ffi::Error conv2d_backward_input(cudaStream_t stream, ffi::AnyBuffer dy, ffi::An
     return error;
   return dispatch_float(dy.element_type(), "conv2d dgrad", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    StencilGrid G{};
-    G.rows = backward_data_rows(p);
-    G.cols = backward_data_cols(p);
-    G.weights = backward_data_weights(p);
-    G.planes = p.N * p.C;
-    G.out_channels = p.C;
-    G.in_channels = p.K;
-    G.in_per_group = p.filters_per_group();
-    G.out_per_group = p.channels_per_group();
     return run_stencil<T>(stream, "conv2d dgrad", static_cast<const T*>(dy.untyped_data()),
                           static_cast<const T*>(w.untyped_data()), nullptr,
-                          static_cast<T*>(dx->untyped_data()), G);
+                          static_cast<T*>(dx->untyped_data()), backward_data_grid(p));
   });
 }
 
