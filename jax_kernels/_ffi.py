@@ -4,14 +4,16 @@ Imports ``jax_kernels._cpu`` (always built) and ``jax_kernels._cuda`` (built whe
 was found), registers every FFI target for platform ``"cpu"`` and, when the CUDA module exists,
 ``"CUDA"``; when it does not, every target name is registered for ``"CUDA"`` with a stand-in
 handler whose error says how to reinstall with CUDA. The op modules build their custom calls
-through :func:`call`.
+through :func:`call` (and :func:`call_with_cuda_scratch` where the CUDA kernels need temporary
+memory).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from . import _cpu
 
@@ -70,3 +72,33 @@ def call(
     with its own rule.
     """
     return jax.ffi.ffi_call(target, results, vmap_method=vmap_method)(*args, **attributes)
+
+
+def call_with_cuda_scratch(
+    target: str,
+    result: jax.ShapeDtypeStruct,
+    *args: Any,
+    scratch_bytes: Callable[[], int],
+    cpu_scratch: bool = False,
+    **attributes: Any,
+) -> Any:
+    """Emits ``target`` on ``args`` -> ``result``, whose CUDA handler also takes temporary memory
+    from XLA as an extra ``uint8`` result (dropped here) of ``scratch_bytes()`` bytes, asked at
+    trace time when the CUDA branch is traced (it may raise for a problem the CUDA kernels cannot
+    take). The CPU handler takes no scratch result, or an empty one when ``cpu_scratch``."""
+
+    def with_scratch(nbytes: int) -> Callable[..., Any]:
+        def emit(*args: Any) -> Any:
+            scratch = jax.ShapeDtypeStruct((nbytes,), jnp.uint8)
+            return call(target, (result, scratch), *args, **attributes)[0]
+        return emit
+
+    def on_cpu(*args: Any) -> Any:
+        if cpu_scratch:
+            return with_scratch(0)(*args)
+        return call(target, result, *args, **attributes)
+
+    if not CUDA_BUILT:
+        return on_cpu(*args)
+    return jax.lax.platform_dependent(*args, default=on_cpu,
+                                      cuda=lambda *a: with_scratch(scratch_bytes())(*a))

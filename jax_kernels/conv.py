@@ -241,26 +241,18 @@ def _emit(target: str, pass_: int, conv: _Conv, result: jax.ShapeDtypeStruct, op
     """The custom call `target`; on CUDA with the scratch buffer its kernels need (dropped).
 
     `problem` is (N, C, H, W, K, R, S, P, Q) of the forward convolution."""
-    attributes = conv.attributes()
 
-    def on_cpu(*args):
-        return _ffi.call(target, result, *args, **attributes)
+    def scratch_bytes():
+        nbytes = _ffi.query(
+            "conv2d_scratch", pass_, _DTYPE_CODES[np.dtype(result.dtype)], conv.precision,
+            *problem, conv.stride[0], conv.stride[1], conv.padding[0], conv.padding[2],
+            conv.dilation[0], conv.dilation[1], conv.groups)
+        if nbytes < 0:
+            raise RuntimeError(f"{_OP}(): the CUDA module rejected the problem {problem}")
+        return nbytes
 
-    if not _ffi.CUDA_BUILT:
-        return on_cpu(*operands)
-
-    scratch_bytes = _ffi.query(
-        "conv2d_scratch", pass_, _DTYPE_CODES[np.dtype(result.dtype)], conv.precision, *problem,
-        conv.stride[0], conv.stride[1], conv.padding[0], conv.padding[2], conv.dilation[0],
-        conv.dilation[1], conv.groups)
-    if scratch_bytes < 0:
-        raise RuntimeError(f"{_OP}(): the CUDA module rejected the problem {problem}")
-    scratch = jax.ShapeDtypeStruct((scratch_bytes,), jnp.uint8)
-
-    def on_cuda(*args):
-        return _ffi.call(target, (result, scratch), *args, **attributes)[0]
-
-    return jax.lax.platform_dependent(*operands, default=on_cpu, cuda=on_cuda)
+    return _ffi.call_with_cuda_scratch(target, result, *operands, scratch_bytes=scratch_bytes,
+                                       **conv.attributes())
 
 
 def _merge_leading(x):

@@ -217,20 +217,14 @@ def _emit(pass_, options, maps, cells_shape, operands):
 def _backward_input(dout, grid, d_input, options, attributes):
     """The d_input call; its scratch result (empty except for the CUDA sorted path) is dropped."""
 
-    def call(scratch_bytes):
-        def run(dout, grid):
-            scratch = jax.ShapeDtypeStruct((scratch_bytes,), jnp.uint8)
-            result, _ = _ffi.call("jk_grid_sample_bwd_input", (d_input, scratch), dout, grid,
-                                  deterministic=options.deterministic, **attributes)
-            return result
-        return run
+    def scratch_bytes():
+        points = int(np.prod(grid.shape[1:-1]))
+        dims = grid.shape[-1]
+        cells = int(np.prod(d_input.shape[2:]))
+        return _ffi.query("grid_sample_bwd_input_scratch", d_input.shape[0], points,
+                          _TAPS_PER_AXIS[options.mode] ** dims, cells,
+                          np.dtype(dout.dtype).itemsize, int(options.deterministic))
 
-    if not _ffi.CUDA_BUILT:
-        return call(0)(dout, grid)
-    points = int(np.prod(grid.shape[1:-1]))
-    dims = grid.shape[-1]
-    cells = int(np.prod(d_input.shape[2:]))
-    scratch_bytes = _ffi.query("grid_sample_bwd_input_scratch", d_input.shape[0], points,
-                               _TAPS_PER_AXIS[options.mode] ** dims, cells,
-                               np.dtype(dout.dtype).itemsize, int(options.deterministic))
-    return jax.lax.platform_dependent(dout, grid, default=call(0), cuda=call(scratch_bytes))
+    return _ffi.call_with_cuda_scratch("jk_grid_sample_bwd_input", d_input, dout, grid,
+                                       scratch_bytes=scratch_bytes, cpu_scratch=True,
+                                       deterministic=options.deterministic, **attributes)

@@ -179,28 +179,20 @@ def _forward_call(params: _Params, batching: _Batching, input: jax.Array,
                   boxes: jax.Array) -> jax.Array:
     shape = (boxes.shape[0], input.shape[1], params.pooled_height, params.pooled_width)
     result = jax.ShapeDtypeStruct(shape, input.dtype)
-    attrs = _attrs(params, batching)
 
-    def on_cpu(input, boxes):
-        return _ffi.call("jk_roi_align_fwd", result, input, boxes, **attrs)
-
-    if not _ffi.CUDA_BUILT:
-        return on_cpu(input, boxes)
-
-    def on_cuda(input, boxes):
+    def scratch_bytes():
         # The CUDA forward stages the input in NHWC order and sorts the boxes by position in
         # scratch memory.
-        scratch_bytes = _ffi.query("roi_align_forward_scratch", *input.shape, boxes.shape[0],
-                                   np.dtype(input.dtype).itemsize)
-        if scratch_bytes < 0:
+        nbytes = _ffi.query("roi_align_forward_scratch", *input.shape, boxes.shape[0],
+                            np.dtype(input.dtype).itemsize)
+        if nbytes < 0:
             raise ValueError(f"roi_align(): {boxes.shape[0]} boxes on {input.shape[0]} images of "
                              f"{input.shape[2]} rows exceed the 32-bit box sort of the CUDA "
                              "forward: use fewer boxes per call")
-        scratch = jax.ShapeDtypeStruct((scratch_bytes,), jnp.uint8)
-        out, _ = _ffi.call("jk_roi_align_fwd", (result, scratch), input, boxes, **attrs)
-        return out
+        return nbytes
 
-    return jax.lax.platform_dependent(input, boxes, default=on_cpu, cuda=on_cuda)
+    return _ffi.call_with_cuda_scratch("jk_roi_align_fwd", result, input, boxes,
+                                       scratch_bytes=scratch_bytes, **_attrs(params, batching))
 
 
 @functools.lru_cache(maxsize=None)
@@ -230,32 +222,29 @@ def _backward_input_call(params: _Params, batching: _Batching, shape: tuple[int,
                          deterministic: bool, dout: jax.Array, boxes: jax.Array) -> jax.Array:
     result = jax.ShapeDtypeStruct(shape, dout.dtype)
     attrs = _attrs(params, batching)
+    if _ffi.CUDA_BUILT and not deterministic and np.dtype(dout.dtype) in (np.float32, np.float64):
+        # float atomics on CUDA; the CPU ignores the flag
+        return jax.lax.platform_dependent(
+            dout, boxes,
+            default=lambda d, b: _ffi.call("jk_roi_align_bwd_input", result, d, b, **attrs),
+            cuda=lambda d, b: _ffi.call("jk_roi_align_bwd_input_atomic", result, d, b, **attrs))
 
-    def on_cpu(dout, boxes):
-        return _ffi.call("jk_roi_align_bwd_input", result, dout, boxes, **attrs)
-
-    if not _ffi.CUDA_BUILT:
-        return on_cpu(dout, boxes)
-
-    def on_cuda(dout, boxes):
-        if not deterministic and np.dtype(dout.dtype) in (np.float32, np.float64):
-            return _ffi.call("jk_roi_align_bwd_input_atomic", result, dout, boxes, **attrs)
+    def scratch_bytes():
         # Half types have no fast atomics and always take the sorted, ordered gather.
         n, c, h, w = shape
-        scratch_bytes = _ffi.query("roi_align_backward_input_scratch", n, c, h, w, boxes.shape[0],
-                                   params.pooled_height, params.pooled_width,
-                                   params.sampling_ratio, np.dtype(dout.dtype).itemsize)
-        if scratch_bytes < 0:
+        nbytes = _ffi.query("roi_align_backward_input_scratch", n, c, h, w, boxes.shape[0],
+                            params.pooled_height, params.pooled_width, params.sampling_ratio,
+                            np.dtype(dout.dtype).itemsize)
+        if nbytes < 0:
             raise ValueError(
                 f"roi_align(): the deterministic CUDA input gradient sorts one entry per box, "
                 f"touched input row and bin row in 32 bits; {boxes.shape[0]} boxes on {n} images "
                 f"of {h} rows exceed that: use deterministic=False (float32/float64) or fewer "
                 "boxes per call")
-        scratch = jax.ShapeDtypeStruct((scratch_bytes,), jnp.uint8)
-        d_input, _ = _ffi.call("jk_roi_align_bwd_input", (result, scratch), dout, boxes, **attrs)
-        return d_input
+        return nbytes
 
-    return jax.lax.platform_dependent(dout, boxes, default=on_cpu, cuda=on_cuda)
+    return _ffi.call_with_cuda_scratch("jk_roi_align_bwd_input", result, dout, boxes,
+                                       scratch_bytes=scratch_bytes, **attrs)
 
 
 @functools.lru_cache(maxsize=None)
