@@ -7,6 +7,11 @@
 //        -o depthwise_check scripts/depthwise_check.cu
 //   ./depthwise_check [bench|profile]   (bench: the timings only; profile: each benchmark pass
 //                                        once, for ncu)
+//   ./depthwise_check dump FILE          (raw forward/dgrad outputs of a few half-type cases,
+//                                        to compare two builds bitwise with cmp)
+// -DJK_DW_MMA_V1 builds the first pipelined tensor-core stencil instead of the second;
+// -DJK_DW_MMA_CHAINS=N sets the second's interleaved mma chains (default 2; 1, 2 or 4), and
+// -DJK_DW_MMA_WNEXT loads the next item's weights during the current one's write-out.
 #include "conv.cu"
 
 #include <cmath>
@@ -288,7 +293,45 @@ void benchmark(cudaStream_t stream, bool profile, double bandwidth) {
   cudaFree(scratch);
 }
 
+// Writes the raw bytes of the forward and dgrad outputs (fixed random inputs) of a few pipelined
+// tensor-core geometries to `path`, for a bitwise comparison of two builds (e.g. -DJK_DW_MMA_V1
+// against the default): `cmp` of their files.
+template <class T>
+void dump_outputs(cudaStream_t stream, FILE* f) {
+  const ConvProblem problems[] = {
+      problem(32, 384, 56, 56, 384, 7, 7, 1, 1, 3, 3, 1, 1, 384),  // the benchmark case
+      problem(2, 3, 64, 64, 3, 5, 5, 1, 1, 2, 2, 1, 1, 3),           // x_base even
+      problem(1, 2, 70, 136, 2, 5, 5, 1, 1, 2, 2, 1, 1, 2),          // two column tiles
+      problem(2, 3, 20, 64, 3, 7, 7, 1, 1, 0, 0, 1, 1, 3),           // fwd rows of 58
+      problem(2, 3, 20, 66, 3, 3, 3, 1, 1, 0, 0, 1, 1, 3),           // dgrad rows of 66
+      problem(40, 3, 8, 8, 3, 3, 3, 1, 1, 1, 1, 1, 1, 3),            // 4 planes per block
+  };
+  for (const ConvProblem& p : problems) {
+    Buffer<T> x(p.N * p.C * p.H * p.W), w(p.K * p.channels_per_group() * p.R * p.S);
+    Buffer<T> dy(p.N * p.K * p.P * p.Q), y(p.N * p.K * p.P * p.Q), dx(p.N * p.C * p.H * p.W);
+    x.random(4);
+    w.random(5);
+    dy.random(6);
+    forward(stream, x.device, w.device, y.device, p);
+    dgrad(stream, dy.device, w.device, dx.device, p);
+    CHECK(cudaStreamSynchronize(stream));
+    for (const auto& b : {y.bytes(), dx.bytes()}) fwrite(b.data(), 1, b.size(), f);
+  }
+}
+
 int main(int argc, char** argv) {
+  if (argc > 2 && std::strcmp(argv[1], "dump") == 0) {
+    cudaStream_t stream;
+    CHECK(cudaStreamCreate(&stream));
+    FILE* f = fopen(argv[2], "wb");
+    if (f == nullptr) return 1;
+    dump_outputs<bfloat16>(stream, f);
+    dump_outputs<float16>(stream, f);
+    fclose(f);
+    CHECK(cudaGetLastError());
+    printf("wrote %s\n", argv[2]);
+    return 0;
+  }
   const bool profile = argc > 1 && std::strcmp(argv[1], "profile") == 0;
   const bool timings_only = argc > 1 && std::strcmp(argv[1], "bench") == 0;
   cudaStream_t stream;
@@ -343,6 +386,10 @@ int main(int argc, char** argv) {
       problem(2, 3, 64, 72, 3, 7, 7, 1, 1, 3, 3, 1, 1, 3),
       problem(1, 2, 70, 136, 2, 5, 5, 1, 1, 2, 2, 1, 1, 2),
       problem(2, 4, 32, 40, 8, 3, 3, 1, 1, 0, 1, 1, 1, 4),
+      // Pipelined (source rows of whole 16-byte vectors) with output rows that are not: the
+      // forward (rows of 58) and the dgrad (rows of 66) write some vectors element by element.
+      problem(2, 3, 20, 64, 3, 7, 7, 1, 1, 0, 0, 1, 1, 3),
+      problem(2, 3, 20, 66, 3, 3, 3, 1, 1, 0, 0, 1, 1, 3),
   };
   for (const ConvProblem& p : problems) {
     check<float>("", p, stream);

@@ -57,6 +57,15 @@ constexpr int64_t kWgradMmaBlocks = 4096;  // tensor-core weight-gradient blocks
 #define JK_MMA_PIPE_BLOCKS 4
 #endif
 constexpr int kMmaPipeBlocks = JK_MMA_PIPE_BLOCKS;  // resident blocks/SM, pipelined mma stencil
+// The pipelined tensor-core stencil: JK_DW_MMA_V1 selects the first version (one mma chain at a
+// time, each 16x8 unit stored to global memory behind its chain); by default the second
+// (stencil_mma_pipe2_kernel: JK_DW_MMA_CHAINS interleaved chains, outputs staged in shared memory
+// and written as 16-byte vectors). Same products in the same order: the same bits.
+#ifndef JK_DW_MMA_CHAINS
+#define JK_DW_MMA_CHAINS 2
+#endif
+constexpr int kMmaChains = JK_DW_MMA_CHAINS;  // independent accumulator chains issued alternately
+static_assert(kMmaChains >= 1 && kMmaUnits % kMmaChains == 0, "chains must divide the units");
 
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
@@ -323,6 +332,7 @@ struct StencilGrid {
   int x_base;                  // first output column of the column tiles (in (-16, 0])
   bool vector_source;          // stage_tile_vectors applies (tile origins are vector-aligned)
   bool vector_out;             // output vectors (of 4; pairs for mma) are aligned
+  bool vector_out16;           // output rows start on 16 bytes (pipe2's staged epilogue)
 
   // Source plane (n, g * in_per_group + i) of output plane (n, g * out_per_group + o); 32-bit
   // (the unrolled kernels run with fewer than 2^31 planes).
@@ -900,6 +910,232 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaPipeBlocks)
   }
 }
 
+// Elements between the rows of stencil_mma_pipe2_kernel's output staging tile: the tile's
+// 8 * nt columns start d = x_base mod 8 columns in (so that output columns 8j fall on 16-byte
+// vectors), rounded up to whole vectors with pitch / 8 odd (8 rows of 16 bytes hit 8 different
+// groups of 4 banks).
+__host__ __device__ constexpr int mma_stage_pitch(int nt) {
+  return (8 * nt + 8) % 16 == 0 ? 8 * nt + 16 : 8 * nt + 8;
+}
+
+// stencil_mma_pipe_kernel, second version. The same units, each the same chain of kTaps mma
+// (hence the same bits), but:
+// - kChains units of a warp at a time, their chains issued alternately (independent
+//   accumulators): the dependent-mma latency is paid once per kChains units;
+// - the accumulators go (packed) to a staging tile in shared memory instead of global memory;
+//   after the block's barrier, the plane's threads write the tile out as 16-byte vectors of
+//   whole output rows (element by element where a vector straddles the tile's edge or the rows
+//   are not 16-byte aligned). That barrier also ends every read of the item's source buffer, so
+//   the next item's prefetch may overwrite it: still two barriers per item.
+template <class T, int kTaps, int kChains>
+__global__ void __launch_bounds__(kMmaThreads, kMmaPipeBlocks)
+    stencil_mma_pipe2_kernel(const T* __restrict__ source, const T* __restrict__ weight,
+                             const T* __restrict__ bias, T* __restrict__ out,
+                             const StencilGrid G) {
+  extern __shared__ __align__(16) unsigned char shared_memory[];
+  T* const tiles = reinterpret_cast<T*>(shared_memory);
+  const int buffer = G.bz * G.tile_stride;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, q = lane & 3;
+  const int z = warp / G.warps_per_plane, wp = warp - z * G.warps_per_plane;
+  const bool slot = z < G.bz;
+  const T* const lane_row = tiles + (slot ? z : 0) * G.tile_stride +
+                            ((lane & 7) + 8 * ((lane >> 3) & 1)) * G.pitch + 8 * (lane >> 4);
+  const int64_t out_plane = G.rows.out * G.cols.out;
+  const int tile_h = 16 * G.mt, tile_w = 8 * G.nt;
+  const AsyncStager st = make_stager(G.bz, (G.src_cols + 7) / 8);
+  // The output staging tile of the thread's plane (after the two source buffers) and the lane's
+  // place in a unit: output (g + 8h, 2q + e) of unit (mi, ni) at row 16 mi + g + 8h, column
+  // d + 8 ni + 2q + e.
+  const int spitch = mma_stage_pitch(G.nt);
+  const int d = G.x_base & 7;  // x_base in (-8, 0]
+  T* const stage = tiles + 2 * buffer + (slot ? z : 0) * tile_h * spitch;
+  T* const lane_stage = stage + g * spitch + 2 * q + d;
+  const int wrap_staged = 16 * spitch - 8 * G.nt;
+  // Output tile u = wp + k * warps_per_plane is (u / nt, u % nt), walked without divisions
+  // (warps_per_plane <= nt: one wrap at most), with the offsets of its source window (in the
+  // item's buffer) and of its staging.
+  const int wrap_window = 16 * G.pitch - 8 * G.nt;
+  const auto next_unit = [&](int& mi, int& ni, int& window, int& staged) {
+    ni += G.warps_per_plane;
+    window += 8 * G.warps_per_plane;
+    staged += 8 * G.warps_per_plane;
+    if (ni >= G.nt) {
+      ni -= G.nt;
+      ++mi;
+      window += wrap_window;
+      staged += wrap_staged;
+    }
+  };
+  const int first_mi = wp / G.nt, first_ni = wp % G.nt;
+  const int first_window = 16 * first_mi * G.pitch + 8 * first_ni;
+  const int first_staged = 16 * first_mi * spitch + 8 * first_ni;
+  // The thread's share of writing the staging tile out: vectors (8 columns) first_vec,
+  // + vec_step, ... of rows first_row, + row_step, ... (fixed for the kernel).
+  const int plane_threads = 32 * G.warps_per_plane;
+  const int ptid = int(threadIdx.x) - z * plane_threads;
+  const int vecs = G.nt + 1;
+  const int vec_step = min(plane_threads, vecs), row_step = plane_threads / vec_step;
+  const int first_row = ptid / vec_step;
+  const int first_vec = ptid < vec_step * row_step ? ptid - first_row * vec_step : vecs;
+  // The lane's B-fragment taps (see stencil_mma_kernel): tap column s[e] of each tap row.
+  int tap[4];
+  bool in_taps[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    tap[e] = 2 * q + 8 * (e >> 1) + (e & 1) - g;
+    in_taps[e] = tap[e] >= 0 && tap[e] < kTaps;
+  }
+  // The depthwise layouts: weight (r, s) at w + sign * (r * kTaps + s); 0: general strides.
+  const int sign = (G.weights.col == 1 && G.weights.row == kTaps)     ? 1
+                   : (G.weights.col == -1 && G.weights.row == -kTaps) ? -1
+                                                                      : 0;
+
+  // The lane's B-fragment weights of item `item` (zeros outside the taps, or where the thread's
+  // plane is past the last).
+  const auto fetch_weights = [&](const StencilItem& item, T (&raw)[kTaps][4]) {
+    const int plane = item.first_plane + z;
+    const bool live = slot && plane < G.planes;
+    const int oc = plane % int(G.out_channels);
+    const int grp = oc / int(G.out_per_group), o = oc % int(G.out_per_group);
+    const T* w = weight + (live ? G.weights.offset(grp, o, 0, 0, 0) : 0);
+    const auto load = [&](auto fixed) {
+      constexpr int kSign = decltype(fixed)::value;
+      const T* base[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        base[e] = w + (kSign != 0 ? kSign * tap[e] : tap[e] * int(G.weights.col));
+#pragma unroll
+      for (int r = 0; r < kTaps; ++r)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          raw[r][e] = live && in_taps[e]
+                          ? base[e][kSign != 0 ? kSign * r * kTaps : r * int(G.weights.row)]
+                          : T{};
+    };
+    if (sign == 1)
+      load(std::integral_constant<int, 1>{});
+    else if (sign == -1)
+      load(std::integral_constant<int, -1>{});
+    else
+      load(std::integral_constant<int, 0>{});
+  };
+  // JK_DW_MMA_WNEXT: the next item's weights are loaded after the current item's mma, so that
+  // their latency overlaps its barrier and write-out instead of stalling the item's start.
+  T wraw[kTaps][4];
+
+  int b = blockIdx.x;
+  StencilItem it = stencil_item(G, b, tile_h, tile_w);
+#ifdef JK_DW_MMA_WNEXT
+  fetch_weights(it, wraw);
+#endif
+  if (b < G.blocks) stage_item_async(G, st, source, it, tiles);
+  cp_async_commit();
+  for (int kb = 0; b < G.blocks; b += gridDim.x, kb ^= 1) {
+    const int nb = b + gridDim.x;
+    const StencilItem next = stencil_item(G, nb, tile_h, tile_w);
+    if (nb < G.blocks) stage_item_async(G, st, source, next, tiles + (kb ^ 1) * buffer);
+    cp_async_commit();
+    const int plane = it.first_plane + z;
+    const bool live = slot && plane < G.planes;
+    const int oc = plane % int(G.out_channels);
+    const float start = (live && bias != nullptr) ? to_acc(bias[oc]) : 0.f;
+#ifndef JK_DW_MMA_WNEXT
+    fetch_weights(it, wraw);
+#endif
+    uint32_t bfrag[kTaps][2];
+#pragma unroll
+    for (int r = 0; r < kTaps; ++r) {
+      bfrag[r][0] = pack_pair(wraw[r][0], wraw[r][1]);
+      bfrag[r][1] = pack_pair(wraw[r][2], wraw[r][3]);
+    }
+    cp_async_wait_one();
+    __syncthreads();  // the item's source tiles are in; the previous item's staging is written out
+    if (live) {
+      const T* const my_row = lane_row + kb * buffer;
+      int mi = first_mi, ni = first_ni, wnext = first_window, snext = first_staged;
+#pragma unroll
+      for (int k = 0; k < kMmaUnits; k += kChains) {
+        if (mi >= G.mt) break;
+        // The chains' units; a unit past the tile repeats the first one's window (its result
+        // is not stored), so that the chains stay branch-free.
+        int window[kChains], staged[kChains];
+        bool valid[kChains];
+#pragma unroll
+        for (int c = 0; c < kChains; ++c) {
+          valid[c] = mi < G.mt;
+          window[c] = (c == 0 || valid[c]) ? wnext : window[0];
+          staged[c] = snext;
+          next_unit(mi, ni, wnext, snext);
+        }
+        float acc[kChains][4];
+#pragma unroll
+        for (int c = 0; c < kChains; ++c)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[c][e] = start;
+#pragma unroll
+        for (int r = 0; r < kTaps; ++r) {
+          uint32_t a[kChains][4];
+#pragma unroll
+          for (int c = 0; c < kChains; ++c) load_fragment(a[c], my_row + window[c] + r * G.pitch);
+#pragma unroll
+          for (int c = 0; c < kChains; ++c) mma_16x8x16<T>(acc[c], a[c], bfrag[r]);
+        }
+        // The lane holds outputs (g, 2q + e) in acc[c][e] and (g + 8, 2q + e) in acc[c][2 + e].
+#pragma unroll
+        for (int c = 0; c < kChains; ++c) {
+          if (c > 0 && !valid[c]) continue;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t pair = pack_outputs<T>(acc[c][2 * h], acc[c][2 * h + 1]);
+            T* const s = lane_stage + staged[c] + 8 * h * spitch;
+            if (d & 1) {
+              s[0] = T{uint16_t(pair & 0xffffu)};
+              s[1] = T{uint16_t(pair >> 16)};
+            } else {
+              *reinterpret_cast<uint32_t*>(s) = pair;
+            }
+          }
+        }
+      }
+    }
+#ifdef JK_DW_MMA_WNEXT
+    if (nb < G.blocks) fetch_weights(next, wraw);
+#endif
+    __syncthreads();  // the staging tiles are complete, and every read of buffer kb is done
+    if (live) {
+      // Staging column j of the tile is output column xs + j (xs a multiple of 8); the item's
+      // outputs are columns [c0, c1) of rows y0 .. y0 + rows - 1.
+      const int xs = it.x0 - d;
+      const int rows = min(tile_h, int(G.rows.out) - it.y0);
+      const int c0 = max(it.x0, 0), c1 = min(it.x0 + tile_w, int(G.cols.out));
+      T* const dst_plane = out + plane * out_plane + int64_t(it.y0) * G.cols.out;
+      for (int j = first_vec; j < vecs; j += vec_step) {
+        const int c = xs + 8 * j;
+        if (c + 8 <= c0 || c >= c1) continue;
+        const bool whole = G.vector_out16 && c >= c0 && c + 8 <= c1;
+        const T* src = stage + first_row * spitch + 8 * j;
+        T* dst = dst_plane + int64_t(first_row) * G.cols.out + c;
+        for (int a = first_row; a < rows; a += row_step) {
+          const uint4 v = *reinterpret_cast<const uint4*>(src);
+          if (whole) {
+            *reinterpret_cast<uint4*>(dst) = v;
+          } else {
+            const uint32_t word[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+              if (c + e >= c0 && c + e < c1)
+                dst[e] = T{uint16_t(word[e >> 1] >> (16 * (e & 1)))};
+          }
+          src += row_step * spitch;
+          dst += int64_t(row_step) * G.cols.out;
+        }
+      }
+    }
+    it = next;
+  }
+}
+
 // Any geometry: a block covers bz planes x one tile of (by * kRows) x bx outputs; thread
 // (tx, ty) of a plane computes rows ty * kRows .. + kRows - 1 of column tx, with run-time loops
 // over the taps.
@@ -1119,6 +1355,7 @@ bool plan_stencil_mma(StencilGrid& G, const T* source, const T* out, int taps) {
   G.x_base = vector_rows<T>(G) ? aligned_column_base(G.cols.pad, 8) : 0;
   G.vector_source = vector_rows<T>(G) && aligned_to(source, 16);
   G.vector_out = G.x_base % 2 == 0 && G.cols.out % 2 == 0 && aligned_to(out, 2 * sizeof(T));
+  G.vector_out16 = G.cols.out % (16 / int(sizeof(T))) == 0 && aligned_to(out, 16);
   const int64_t cols = G.cols.out - G.x_base;
   G.mt = int(std::min<int64_t>(ceil_div(G.rows.out, 16), 4));
   G.nt = int(std::min<int64_t>(ceil_div(cols, 8), 8));
@@ -1181,8 +1418,16 @@ template <class T, int kTaps>
 void launch_stencil_mma_pipe(cudaStream_t stream, const T* source, const T* weight, const T* bias,
                              T* out, const StencilGrid& G) {
   const int threads = 32 * G.warps_per_plane * G.bz;
+#ifdef JK_DW_MMA_V1
   const size_t shared = 2 * size_t(G.bz) * size_t(G.tile_stride) * sizeof(T);
   const auto kernel = stencil_mma_pipe_kernel<T, kTaps>;
+#else
+  // Two source buffers, then the output staging tiles.
+  const size_t shared = (2 * size_t(G.bz) * size_t(G.tile_stride) +
+                         size_t(G.bz) * size_t(16 * G.mt) * size_t(mma_stage_pitch(G.nt))) *
+                        sizeof(T);
+  const auto kernel = stencil_mma_pipe2_kernel<T, kTaps, kMmaChains>;
+#endif
   const unsigned blocks = launch_pipelined(kernel, kMmaPipeBlocks, G.blocks, shared);
   kernel<<<blocks, threads, shared, stream>>>(source, weight, bias, out, G);
 }
