@@ -4,6 +4,26 @@
 // checks that outputs are bitwise identical across runs with different scratch garbage, that the
 // expected problems are declined, and times the benchmark shapes of DESIGN.md section 8.
 //
+// What it prints, per problem, pass and math mode:
+//   ok   <problem> <pass> <mode> scratch <MiB>  max rel err <e> (tol <t>)      (or FAIL ...)
+// and with timing (the default), once at the start, the floor for memory-bound kernels:
+//   copy 1 GiB device-to-device: <ms> ms = <GB/s> GB/s read+write (median of 11)
+// then for each benchmark shape, pass and mode, the whole pass and its steps (conv_dense.h's
+// conv2d_dense_steps: the same launches as conv2d_dense, restricted to one step):
+//   time   <label> <ms> ms (median of 11 x 20 back-to-back)                       whole pass
+//   layout <label> in  <ms> ms warm, <ms> ms cold L2 (<what>): <MB> MB = <x> x copy time
+//   layout <label> out <ms> ms warm, <ms> ms cold L2 (<what>): <MB> MB = <x> x copy time
+//   layout <label> cutlass <ms> ms; layout in+out <ms> ms = <%> of the pass (steps sum <ms> ms)
+// "in" is the launch before the CUTLASS kernels (NCHW -> NHWC transposes of x or dy, weight
+// transform), "out" the one after (NHWC -> NCHW transpose of y or dx, wgrad reduction of the
+// split-K or per-image partials); a step the pass does not have prints "none" (the 1x1 GEMM route
+// runs on NCHW as is). "warm" is the median of 11 x 20 back-to-back launches of the step alone, so
+// its operands may stay in L2 between launches (a lower bound of its cost inside the pass);
+// "cold L2" the median of 11 single launches each after reading a buffer of 4x the L2 size (an
+// upper bound). MB are the bytes the step's kernel reads plus writes (conv2d_dense_layout_info),
+// "copy time" those bytes at the measured copy bandwidth, the floor for that much data movement;
+// the % uses the warm times.
+//
 // Build and run (GPU machine, from the repository root):
 //   scripts/build_inplace.sh && cmake --build build/inplace --target conv_dense_check &&
 //   build/inplace/conv_dense_check            # add --no-timing to skip the benchmark shapes
@@ -232,9 +252,160 @@ struct Case {
 
 int failures = 0;
 
+// ---- timing -----------------------------------------------------------------------------------
+
+// Reads a buffer larger than L2 so that the next kernel starts with its operands in DRAM only
+// (reads leave no dirty lines whose write-back would land in the timed kernel).
+__global__ void flush_l2_kernel(const int4* data, int64_t count, int* sink) {
+  int acc = 0;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int4 v = data[i];
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x7FEDCBA9) *sink = acc;  // never true in practice; keeps the loads
+}
+
+struct TimingSetup {
+  double copy_bytes_per_ms = 0.0;  // read + write bytes of a device-to-device copy per ms
+  int4* flush = nullptr;
+  int64_t flush_count = 0;
+  int* sink = nullptr;
+  int flush_blocks = 0;
+};
+TimingSetup timing_setup;
+
+constexpr int kRepeats = 11;
+constexpr int kBackToBack = 20;
+
+// Median over kRepeats of the time of one launch(): warm, kBackToBack launches between two events;
+// cold, a single launch after the L2 flush.
+template <class F>
+float median_ms(cudaStream_t stream, F&& launch, bool cold) {
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  std::vector<float> samples;
+  for (int rep = 0; rep < kRepeats; ++rep) {
+    if (cold)
+      flush_l2_kernel<<<timing_setup.flush_blocks, 256, 0, stream>>>(
+          timing_setup.flush, timing_setup.flush_count, timing_setup.sink);
+    const int launches = cold ? 1 : kBackToBack;
+    CHECK_CUDA(cudaEventRecord(start, stream));
+    for (int i = 0; i < launches; ++i) launch();
+    CHECK_CUDA(cudaEventRecord(stop, stream));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    samples.push_back(ms / launches);
+  }
+  CHECK_CUDA(cudaGetLastError());
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(samples.begin(), samples.end());
+  return samples[kRepeats / 2];
+}
+
+// The copy bandwidth (1 GiB device to device, read + write counted) and the L2 flush buffer.
+void set_up_timing(const cudaDeviceProp& prop) {
+  const int64_t copy_bytes = int64_t(1) << 30;
+  void *src = nullptr, *dst = nullptr;
+  CHECK_CUDA(cudaMalloc(&src, copy_bytes));
+  CHECK_CUDA(cudaMalloc(&dst, copy_bytes));
+  CHECK_CUDA(cudaMemset(src, 0x3C, copy_bytes));
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreate(&stream));
+  auto copy = [&]() {
+    CHECK_CUDA(cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice, stream));
+  };
+  copy();  // warm-up
+  float ms = 0;
+  {
+    cudaEvent_t start, stop;
+    CHECK_CUDA(cudaEventCreate(&start));
+    CHECK_CUDA(cudaEventCreate(&stop));
+    std::vector<float> samples;
+    for (int rep = 0; rep < kRepeats; ++rep) {
+      CHECK_CUDA(cudaEventRecord(start, stream));
+      copy();
+      CHECK_CUDA(cudaEventRecord(stop, stream));
+      CHECK_CUDA(cudaEventSynchronize(stop));
+      float t = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+      samples.push_back(t);
+    }
+    std::sort(samples.begin(), samples.end());
+    ms = samples[kRepeats / 2];
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+  }
+  timing_setup.copy_bytes_per_ms = 2.0 * double(copy_bytes) / ms;
+  std::printf("copy 1 GiB device-to-device: %.4f ms = %.0f GB/s read+write (median of %d)\n", ms,
+              timing_setup.copy_bytes_per_ms / 1e6, kRepeats);
+  cudaStreamDestroy(stream);
+  cudaFree(src);
+  cudaFree(dst);
+
+  const int64_t flush_bytes = std::max<int64_t>(4 * int64_t(prop.l2CacheSize), 64 << 20);
+  timing_setup.flush_count = flush_bytes / int64_t(sizeof(int4));
+  CHECK_CUDA(cudaMalloc(&timing_setup.flush, flush_bytes));
+  CHECK_CUDA(cudaMemset(timing_setup.flush, 0x11, flush_bytes));
+  CHECK_CUDA(cudaMalloc(&timing_setup.sink, sizeof(int)));
+  timing_setup.flush_blocks = 4 * prop.multiProcessorCount;
+}
+
 void fail(const std::string& what) {
   std::printf("  FAIL %s\n", what.c_str());
   ++failures;
+}
+
+// Times the steps of one pass apart (conv2d_dense_steps) and prints the "layout" lines described
+// at the top. The scratch holds what the whole pass left there, so every step reads real data.
+void time_steps(const char* label, const ConvQuery& query, cudaStream_t stream, const void* a,
+                const void* b, const void* bias, void* out, void* scratch, int64_t scratch_bytes,
+                float pass_ms) {
+  ConvDenseLayoutInfo info;
+  if (!conv2d_dense_layout_info(query, bias != nullptr, &info)) {
+    fail(std::string(label) + ": no layout info");
+    return;
+  }
+  auto step_launch = [&](unsigned steps) {
+    return [=]() {
+      conv2d_dense_steps(stream, query, a, b, bias, out, scratch, scratch_bytes, steps);
+    };
+  };
+  for (unsigned steps : {unsigned(kConvDenseLayoutIn), unsigned(kConvDenseCutlass),
+                         unsigned(kConvDenseLayoutOut)}) {
+    const ffi::Error error =
+        conv2d_dense_steps(stream, query, a, b, bias, out, scratch, scratch_bytes, steps);
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    if (error.failure()) {
+      fail(std::string(label) + ": step " + std::to_string(steps) + ": " + error.message());
+      return;
+    }
+  }
+  float layout_ms = 0.0f;
+  auto layout_line = [&](const char* which, unsigned step, int launches, int64_t bytes,
+                         const char* what) {
+    if (launches == 0) {
+      std::printf("  layout %s %-3s none (%s)\n", label, which,
+                  info.nhwc_route ? "NHWC route" : "GEMM route on NCHW as is");
+      return;
+    }
+    const float warm = median_ms(stream, step_launch(step), false);
+    const float cold = median_ms(stream, step_launch(step), true);
+    layout_ms += warm;
+    const double copy_ms = double(bytes) / timing_setup.copy_bytes_per_ms;
+    std::printf("  layout %s %-3s %.4f ms warm, %.4f ms cold L2 (%s): %.2f MB = %.2f x copy time\n",
+                label, which, warm, cold, what, bytes / 1e6, warm / copy_ms);
+  };
+  layout_line("in", kConvDenseLayoutIn, info.in_launches, info.in_bytes, info.in_what);
+  layout_line("out", kConvDenseLayoutOut, info.out_launches, info.out_bytes, info.out_what);
+  const float cutlass_ms = median_ms(stream, step_launch(kConvDenseCutlass), false);
+  std::printf(
+      "  layout %s cutlass %.4f ms; layout in+out %.4f ms = %.1f%% of the pass (steps sum %.4f "
+      "ms)\n",
+      label, cutlass_ms, layout_ms, 100.0 * layout_ms / pass_ms, layout_ms + cutlass_ms);
 }
 
 void run_case(const Case& c, ConvPass pass, ConvDtype dtype, ConvPrecision precision,
@@ -334,25 +505,11 @@ void run_case(const Case& c, ConvPass pass, ConvDtype dtype, ConvPrecision preci
   }
 
   if (timing && c.time_it && runs.size() == 2) {
-    cudaEvent_t start, stop;
-    CHECK_CUDA(cudaEventCreate(&start));
-    CHECK_CUDA(cudaEventCreate(&stop));
-    constexpr int kBackToBack = 20;
-    std::vector<float> samples;
-    for (int rep = 0; rep < 11; ++rep) {
-      CHECK_CUDA(cudaEventRecord(start, stream));
-      for (int i = 0; i < kBackToBack; ++i) launch();
-      CHECK_CUDA(cudaEventRecord(stop, stream));
-      CHECK_CUDA(cudaEventSynchronize(stop));
-      float ms = 0;
-      CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-      samples.push_back(ms / kBackToBack);
-    }
-    std::sort(samples.begin(), samples.end());
-    std::printf("  time %s %.4f ms (median of 11 x %d back-to-back)\n", label, samples[5],
+    const float pass_ms = median_ms(stream, launch, false);
+    std::printf("  time %s %.4f ms (median of %d x %d back-to-back)\n", label, pass_ms, kRepeats,
                 kBackToBack);
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
+    time_steps(label, query, stream, a.data, b.data, with_bias ? bias.data : nullptr, out.data,
+               scratch, scratch_bytes, pass_ms);
   }
 
   cudaStreamDestroy(stream);
@@ -373,6 +530,7 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
   std::printf("conv_dense_check on %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor,
               prop.multiProcessorCount);
+  if (timing) set_up_timing(prop);
 
   const std::vector<Case> cases = {
       // name, problem, bias, passes taken, time_it

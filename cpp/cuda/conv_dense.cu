@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
 #include <initializer_list>
 #include <string>
 #include <type_traits>
@@ -562,9 +563,14 @@ char* region(char* base, const Plan& plan, int i) { return base + plan.offset[i]
 
 // ---- Running the routes -----------------------------------------------------------------------
 
+// Each route runs the steps of conv_dense.h's ConvDenseStep that are set in `steps` (all of them
+// for conv2d_dense), in order; a step left out is skipped and nothing else changes.
+bool has(unsigned steps, ConvDenseStep step) { return (steps & step) != 0; }
+
 template <class Bits>
 ffi::Error run_gemm_route(cudaStream_t stream, const ConvQuery& query, const Plan& plan,
-                          const void* a, const void* b, const void* bias, void* out, char* base) {
+                          const void* a, const void* b, const void* bias, void* out, char* base,
+                          unsigned steps) {
   const ConvProblem& p = query.problem;
   const int64_t pixels = p.H * p.W;
   BatchedGemm g = plan.gemm;
@@ -573,22 +579,26 @@ ffi::Error run_gemm_route(cudaStream_t stream, const ConvQuery& query, const Pla
       g.a = b, g.b = a, g.d = out;
       if (bias != nullptr) {
         Bits* matrix = reinterpret_cast<Bits*>(region(base, plan, 0));
-        broadcast_bias_kernel<Bits><<<grid_blocks(p.K * pixels, kLayoutThreads), kLayoutThreads, 0,
-                                      stream>>>(static_cast<const Bits*>(bias), matrix, pixels,
-                                                p.K * pixels);
-        if (ffi::Error e = launch_status("conv2d (bias)"); e.failure()) return e;
+        if (has(steps, kConvDenseLayoutIn)) {
+          broadcast_bias_kernel<Bits><<<grid_blocks(p.K * pixels, kLayoutThreads), kLayoutThreads,
+                                        0, stream>>>(static_cast<const Bits*>(bias), matrix, pixels,
+                                                     p.K * pixels);
+          if (ffi::Error e = launch_status("conv2d (bias)"); e.failure()) return e;
+        }
         g.c = matrix;
       }
-      return run(plan.math, g, stream);
+      return has(steps, kConvDenseCutlass) ? run(plan.math, g, stream) : ffi::Error::Success();
     }
     case ConvPass::kBackwardData:
       g.a = b, g.b = a, g.d = out;
-      return run(plan.math, g, stream);
+      return has(steps, kConvDenseCutlass) ? run(plan.math, g, stream) : ffi::Error::Success();
     case ConvPass::kBackwardWeight:
     default: {
       float* partials = reinterpret_cast<float*>(region(base, plan, 0));
       g.a = a, g.b = b, g.d = partials;
-      if (ffi::Error e = run(plan.math, g, stream); e.failure()) return e;
+      if (has(steps, kConvDenseCutlass))
+        if (ffi::Error e = run(plan.math, g, stream); e.failure()) return e;
+      if (!has(steps, kConvDenseLayoutOut)) return ffi::Error::Success();
       WgradReduction r{};
       r.Kg = p.K, r.Cg = r.Cgp = p.C, r.R = r.S = 1;
       r.quads = p.K * ceil_div(p.C, 4);
@@ -600,7 +610,8 @@ ffi::Error run_gemm_route(cudaStream_t stream, const ConvQuery& query, const Pla
 
 template <class Bits>
 ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Plan& plan,
-                          const void* a, const void* b, const void* bias, void* out, char* base) {
+                          const void* a, const void* b, const void* bias, void* out, char* base,
+                          unsigned steps) {
   const ConvProblem& p = query.problem;
   const int64_t G = plan.groups, Cg = plan.Cg, Kg = plan.Kg, Cgp = plan.Cgp, Kgp = plan.Kgp;
   const int64_t eb = plan.element_bytes;
@@ -627,17 +638,19 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
         weights.bias_out = reinterpret_cast<Bits*>(bias_padded);
         weights.bias_count = G * Kgp;
       }
-      if (ffi::Error e = launch_layout<Bits>(
-              stream, {to_nhwc<Bits>(a, x_nhwc, p.N, G, Cg, input_pixels, Cgp)}, &weights);
-          e.failure())
-        return e;
-      for (int64_t g = 0; g < G; ++g) {
+      if (has(steps, kConvDenseLayoutIn))
+        if (ffi::Error e = launch_layout<Bits>(
+                stream, {to_nhwc<Bits>(a, x_nhwc, p.N, G, Cg, input_pixels, Cgp)}, &weights);
+            e.failure())
+          return e;
+      for (int64_t g = 0; g < G && has(steps, kConvDenseCutlass); ++g) {
         c.a = x_nhwc + g * x_group;
         c.b = w_krsc + g * w_group;
         c.c = bias != nullptr ? bias_padded + g * Kgp * eb : nullptr;
         c.d = y_nhwc + g * y_group;
         if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
       }
+      if (!has(steps, kConvDenseLayoutOut)) return ffi::Error::Success();
       return launch_layout<Bits>(stream,
                                  {to_nchw<Bits>(y_nhwc, out, p.N, G, output_pixels, Kg, Kgp)});
     }
@@ -647,16 +660,18 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
       char* dx_nhwc = region(base, plan, 2);
       weights.out = reinterpret_cast<Bits*>(w_t);
       weights.flip = plan.dgrad_as_fprop;
-      if (ffi::Error e = launch_layout<Bits>(
-              stream, {to_nhwc<Bits>(a, dy_nhwc, p.N, G, Kg, output_pixels, Kgp)}, &weights);
-          e.failure())
-        return e;
-      for (int64_t g = 0; g < G; ++g) {
+      if (has(steps, kConvDenseLayoutIn))
+        if (ffi::Error e = launch_layout<Bits>(
+                stream, {to_nhwc<Bits>(a, dy_nhwc, p.N, G, Kg, output_pixels, Kgp)}, &weights);
+            e.failure())
+          return e;
+      for (int64_t g = 0; g < G && has(steps, kConvDenseCutlass); ++g) {
         c.a = dy_nhwc + g * y_group;
         c.b = w_t + g * w_group;
         c.d = dx_nhwc + g * x_group;
         if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
       }
+      if (!has(steps, kConvDenseLayoutOut)) return ffi::Error::Success();
       return launch_layout<Bits>(stream,
                                  {to_nchw<Bits>(dx_nhwc, out, p.N, G, input_pixels, Cg, Cgp)});
     }
@@ -665,18 +680,20 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
       char* dy_nhwc = region(base, plan, 0);
       char* x_nhwc = region(base, plan, 1);
       float* partials = reinterpret_cast<float*>(region(base, plan, 2));
-      if (ffi::Error e = launch_layout<Bits>(
-              stream, {to_nhwc<Bits>(a, dy_nhwc, p.N, G, Kg, output_pixels, Kgp),
-                       to_nhwc<Bits>(b, x_nhwc, p.N, G, Cg, input_pixels, Cgp)});
-          e.failure())
-        return e;
+      if (has(steps, kConvDenseLayoutIn))
+        if (ffi::Error e = launch_layout<Bits>(
+                stream, {to_nhwc<Bits>(a, dy_nhwc, p.N, G, Kg, output_pixels, Kgp),
+                         to_nhwc<Bits>(b, x_nhwc, p.N, G, Cg, input_pixels, Cgp)});
+            e.failure())
+          return e;
       const int64_t partial_size = Kgp * p.R * p.S * Cgp;
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t g = 0; g < G && has(steps, kConvDenseCutlass); ++g) {
         c.a = dy_nhwc + g * y_group;
         c.b = x_nhwc + g * x_group;
         c.d = partials + g * c.split_k * partial_size;
         if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
       }
+      if (!has(steps, kConvDenseLayoutOut)) return ffi::Error::Success();
       WgradReduction r{};
       r.Kg = Kg, r.Cg = Cg, r.R = p.R, r.S = p.S, r.Cgp = Cgp;
       r.quads = G * Kg * p.R * p.S * ceil_div(Cg, 4);
@@ -688,10 +705,10 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
 
 template <class Bits>
 ffi::Error run_plan(cudaStream_t stream, const ConvQuery& query, const Plan& plan, const void* a,
-                    const void* b, const void* bias, void* out, char* base) {
+                    const void* b, const void* bias, void* out, char* base, unsigned steps) {
   return plan.route == Route::kGemm
-             ? run_gemm_route<Bits>(stream, query, plan, a, b, bias, out, base)
-             : run_nhwc_route<Bits>(stream, query, plan, a, b, bias, out, base);
+             ? run_gemm_route<Bits>(stream, query, plan, a, b, bias, out, base, steps)
+             : run_nhwc_route<Bits>(stream, query, plan, a, b, bias, out, base, steps);
 }
 
 }  // namespace
@@ -703,6 +720,13 @@ int64_t conv2d_dense_scratch_bytes(const ConvQuery& query) {
 
 ffi::Error conv2d_dense(cudaStream_t stream, const ConvQuery& query, const void* a, const void* b,
                         const void* bias, void* out, void* scratch, int64_t scratch_bytes) {
+  return conv2d_dense_steps(stream, query, a, b, bias, out, scratch, scratch_bytes,
+                            kConvDenseAllSteps);
+}
+
+ffi::Error conv2d_dense_steps(cudaStream_t stream, const ConvQuery& query, const void* a,
+                              const void* b, const void* bias, void* out, void* scratch,
+                              int64_t scratch_bytes, unsigned steps) {
   const Plan plan = make_plan(query);
   if (plan.route == Route::kDecline)
     return ffi::Error::InvalidArgument(
@@ -714,8 +738,68 @@ ffi::Error conv2d_dense(cudaStream_t stream, const ConvQuery& query, const void*
   char* base = reinterpret_cast<char*>(
       round_up(int64_t(reinterpret_cast<uintptr_t>(scratch)), kScratchAlign));
   if (plan.element_bytes == 2)
-    return run_plan<uint16_t>(stream, query, plan, a, b, bias, out, base);
-  return run_plan<uint32_t>(stream, query, plan, a, b, bias, out, base);
+    return run_plan<uint16_t>(stream, query, plan, a, b, bias, out, base, steps);
+  return run_plan<uint32_t>(stream, query, plan, a, b, bias, out, base, steps);
+}
+
+bool conv2d_dense_layout_info(const ConvQuery& query, bool with_bias, ConvDenseLayoutInfo* info) {
+  const Plan plan = make_plan(query);
+  if (plan.route == Route::kDecline) return false;
+  *info = ConvDenseLayoutInfo{};
+  const ConvProblem& p = query.problem;
+  const int64_t eb = plan.element_bytes;
+  const int64_t x_count = p.N * p.C * p.H * p.W, y_count = p.N * p.K * p.P * p.Q;
+  const int64_t w_count = p.K * (p.C / p.groups) * p.R * p.S;
+  auto say = [](char (&what)[64], const std::string& text) {
+    std::snprintf(what, sizeof what, "%s", text.c_str());
+  };
+  info->nhwc_route = plan.route == Route::kNhwc;
+  if (plan.route == Route::kGemm) {
+    if (query.pass == ConvPass::kForward && with_bias) {
+      info->in_launches = 1;
+      info->in_bytes = p.K * eb + p.K * p.H * p.W * eb;
+      say(info->in_what, "bias broadcast to [K x HW]");
+    }
+    if (query.pass == ConvPass::kBackwardWeight) {
+      info->out_launches = 1;
+      info->out_bytes = p.N * p.K * p.C * 4 + w_count * eb;
+      say(info->out_what, "reduction of " + std::to_string(p.N) + " per-image partials");
+    }
+    return true;
+  }
+  // NHWC route: the transposes read the valid channels and write the padded ones; the weight
+  // transform writes the padded [G][Kgp][R][S][Cgp] (or its flipped transpose).
+  const int64_t G = plan.groups, Kgp = plan.Kgp, Cgp = plan.Cgp;
+  const int64_t x_nhwc = G * p.N * p.H * p.W * Cgp, y_nhwc = G * p.N * p.P * p.Q * Kgp;
+  const int64_t w_padded = G * Kgp * p.R * p.S * Cgp;
+  const int64_t weight_bytes = (w_count + w_padded) * eb;
+  info->in_launches = info->out_launches = 1;
+  switch (query.pass) {
+    case ConvPass::kForward:
+      info->in_bytes = (x_count + x_nhwc) * eb + weight_bytes;
+      if (with_bias) info->in_bytes += (p.K + G * Kgp) * eb;
+      info->out_bytes = 2 * y_count * eb;
+      say(info->in_what, with_bias ? "x to NHWC + weights + bias" : "x to NHWC + weights");
+      say(info->out_what, "y to NCHW");
+      break;
+    case ConvPass::kBackwardData:
+      info->in_bytes = (y_count + y_nhwc) * eb + weight_bytes;
+      info->out_bytes = 2 * x_count * eb;
+      say(info->in_what,
+          plan.dgrad_as_fprop ? "dy to NHWC + weights flipped" : "dy to NHWC + weights");
+      say(info->out_what, "dx to NCHW");
+      break;
+    case ConvPass::kBackwardWeight:
+    default: {
+      info->in_bytes = (y_count + y_nhwc + x_count + x_nhwc) * eb;
+      const int64_t split = plan.conv.split_k;
+      info->out_bytes = G * split * plan.Kg * p.R * p.S * round_up(plan.Cg, 4) * 4 + w_count * eb;
+      say(info->in_what, "dy and x to NHWC");
+      say(info->out_what, "reduction of " + std::to_string(split) + " split-K partials");
+      break;
+    }
+  }
+  return true;
 }
 
 }  // namespace jax_kernels
@@ -731,6 +815,14 @@ ffi::Error conv2d_dense(cudaStream_t, const ConvQuery&, const void*, const void*
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
                     "conv2d: built without CUTLASS, the tensor-core path is not available");
 }
+
+ffi::Error conv2d_dense_steps(cudaStream_t, const ConvQuery&, const void*, const void*, const void*,
+                              void*, void*, int64_t, unsigned) {
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "conv2d: built without CUTLASS, the tensor-core path is not available");
+}
+
+bool conv2d_dense_layout_info(const ConvQuery&, bool, ConvDenseLayoutInfo*) { return false; }
 
 }  // namespace jax_kernels
 

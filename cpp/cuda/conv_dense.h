@@ -25,4 +25,37 @@ int64_t conv2d_dense_scratch_bytes(const ConvQuery& query);
 ffi::Error conv2d_dense(cudaStream_t stream, const ConvQuery& query, const void* a, const void* b,
                         const void* bias, void* out, void* scratch, int64_t scratch_bytes);
 
+// ---- Measurement hooks (scripts/conv_dense_check.cu; the FFI handlers do not use them) ----------
+// A pass is three steps, launched in this order by conv2d_dense:
+//   layout in:  NHWC route: the input (fprop) or dy (dgrad) transposed to NHWC together with the
+//               weight transform, or dy and x transposed (wgrad), one launch; GEMM route: the bias
+//               broadcast (fprop with bias), else nothing;
+//   CUTLASS:    the implicit GEMM (one launch per group) or the batched GEMM;
+//   layout out: NHWC route: the NHWC -> NCHW transpose of y or dx, or the wgrad split-K
+//               reduction into KCRS; GEMM route: the wgrad per-image reduction, else nothing.
+enum ConvDenseStep : unsigned {
+  kConvDenseLayoutIn = 1,
+  kConvDenseCutlass = 2,
+  kConvDenseLayoutOut = 4,
+  kConvDenseAllSteps = 7,
+};
+
+// conv2d_dense restricted to the steps in the mask: the same plan, scratch regions and launches as
+// conv2d_dense makes for those steps, the others skipped. The output is only right with all
+// steps; the steps alone are for timing (a step reads what the previous one left in the scratch).
+ffi::Error conv2d_dense_steps(cudaStream_t stream, const ConvQuery& query, const void* a,
+                              const void* b, const void* bias, void* out, void* scratch,
+                              int64_t scratch_bytes, unsigned steps);
+
+// What the layout steps of a pass do, from its plan (false if the path declines the problem).
+struct ConvDenseLayoutInfo {
+  bool nhwc_route = false;  // false: the GEMM route (1x1, stride 1, NCHW used as is)
+  int in_launches = 0, out_launches = 0;  // kernel launches of each layout step (0 or 1)
+  // Bytes the layout kernels of each step read plus write (each element once, zero padding
+  // included where it is written), to compare with a device-to-device copy of as many bytes.
+  int64_t in_bytes = 0, out_bytes = 0;
+  char in_what[64] = "", out_what[64] = "";  // e.g. "x to NHWC + weights", "y to NCHW"
+};
+bool conv2d_dense_layout_info(const ConvQuery& query, bool with_bias, ConvDenseLayoutInfo* info);
+
 }  // namespace jax_kernels
