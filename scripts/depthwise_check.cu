@@ -9,9 +9,8 @@
 //                                        once, for ncu)
 //   ./depthwise_check dump FILE          (raw forward/dgrad outputs of a few half-type cases,
 //                                        to compare two builds bitwise with cmp)
-// -DJK_DW_MMA_V1 builds the first pipelined tensor-core stencil instead of the second;
-// -DJK_DW_MMA_CHAINS=N sets the second's interleaved mma chains (default 2; 1, 2 or 4), and
-// -DJK_DW_MMA_WNEXT loads the next item's weights during the current one's write-out.
+// -DJK_DW_MMA_CHAINS=N sets the pipelined tensor-core stencil's interleaved mma chains (default
+// 2; 1, 2 or 4): scripts/dw_bf16_ab.sh compares them.
 #include "conv.cu"
 
 #include <cmath>
@@ -294,8 +293,8 @@ void benchmark(cudaStream_t stream, bool profile, double bandwidth) {
 }
 
 // Writes the raw bytes of the forward and dgrad outputs (fixed random inputs) of a few pipelined
-// tensor-core geometries to `path`, for a bitwise comparison of two builds (e.g. -DJK_DW_MMA_V1
-// against the default): `cmp` of their files.
+// tensor-core geometries to `path`, for a bitwise comparison of two builds (e.g.
+// -DJK_DW_MMA_CHAINS=1 against the default): `cmp` of their files.
 template <class T>
 void dump_outputs(cudaStream_t stream, FILE* f) {
   const ConvProblem problems[] = {

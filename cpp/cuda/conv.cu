@@ -57,10 +57,9 @@ constexpr int64_t kWgradMmaBlocks = 4096;  // tensor-core weight-gradient blocks
 #define JK_MMA_PIPE_BLOCKS 4
 #endif
 constexpr int kMmaPipeBlocks = JK_MMA_PIPE_BLOCKS;  // resident blocks/SM, pipelined mma stencil
-// The pipelined tensor-core stencil: JK_DW_MMA_V1 selects the first version (one mma chain at a
-// time, each 16x8 unit stored to global memory behind its chain); by default the second
-// (stencil_mma_pipe2_kernel: JK_DW_MMA_CHAINS interleaved chains, outputs staged in shared memory
-// and written as 16-byte vectors). Same products in the same order: the same bits.
+// The pipelined tensor-core stencil issues JK_DW_MMA_CHAINS (1, 2 or 4) units' mma chains
+// alternately; 2 measured best on the H100 (docs/performance.md, run 5). Any choice gives the
+// same bits.
 #ifndef JK_DW_MMA_CHAINS
 #define JK_DW_MMA_CHAINS 2
 #endif
@@ -332,7 +331,7 @@ struct StencilGrid {
   int x_base;                  // first output column of the column tiles (in (-16, 0])
   bool vector_source;          // stage_tile_vectors applies (tile origins are vector-aligned)
   bool vector_out;             // output vectors (of 4; pairs for mma) are aligned
-  bool vector_out16;           // output rows start on 16 bytes (pipe2's staged epilogue)
+  bool vector_out16;           // output rows start on 16 bytes (staged mma stencil epilogue)
 
   // Source plane (n, g * in_per_group + i) of output plane (n, g * out_per_group + o); 32-bit
   // (the unrolled kernels run with fewer than 2^31 planes).
@@ -795,122 +794,7 @@ __device__ __forceinline__ uint32_t pack_outputs(float lo, float hi) {
   return r;
 }
 
-// stencil_mma_kernel for in_per_group == 1 and G.vector_source, pipelined.
-template <class T, int kTaps>
-__global__ void __launch_bounds__(kMmaThreads, kMmaPipeBlocks)
-    stencil_mma_pipe_kernel(const T* __restrict__ source, const T* __restrict__ weight,
-                            const T* __restrict__ bias, T* __restrict__ out, const StencilGrid G) {
-  extern __shared__ __align__(16) unsigned char shared_memory[];
-  T* const tiles = reinterpret_cast<T*>(shared_memory);
-  const int buffer = G.bz * G.tile_stride;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, q = lane & 3;
-  const int z = warp / G.warps_per_plane, wp = warp - z * G.warps_per_plane;
-  const bool slot = z < G.bz;
-  const auto next_unit = [&](int& mi, int& ni) {
-    for (ni += G.warps_per_plane; ni >= G.nt; ni -= G.nt) ++mi;
-  };
-  const T* const lane_row = tiles + (slot ? z : 0) * G.tile_stride +
-                            ((lane & 7) + 8 * ((lane >> 3) & 1)) * G.pitch + 8 * (lane >> 4);
-  const int64_t out_plane = G.rows.out * G.cols.out;
-  const int tile_h = 16 * G.mt, tile_w = 8 * G.nt;
-  const AsyncStager st = make_stager(G.bz, (G.src_cols + 7) / 8);
-  // The lane's B-fragment taps (see stencil_mma_kernel): tap column s[e] of each tap row.
-  int tap[4];
-  bool in_taps[4];
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    tap[e] = 2 * q + 8 * (e >> 1) + (e & 1) - g;
-    in_taps[e] = tap[e] >= 0 && tap[e] < kTaps;
-  }
-  // The depthwise layouts: weight (r, s) at w + sign * (r * kTaps + s); 0: general strides.
-  const int sign = (G.weights.col == 1 && G.weights.row == kTaps)     ? 1
-                   : (G.weights.col == -1 && G.weights.row == -kTaps) ? -1
-                                                                      : 0;
-
-  int b = blockIdx.x;
-  StencilItem it = stencil_item(G, b, tile_h, tile_w);
-  if (b < G.blocks) stage_item_async(G, st, source, it, tiles);
-  cp_async_commit();
-  for (int kb = 0; b < G.blocks; b += gridDim.x, kb ^= 1) {
-    const int nb = b + gridDim.x;
-    const StencilItem next = stencil_item(G, nb, tile_h, tile_w);
-    if (nb < G.blocks) stage_item_async(G, st, source, next, tiles + (kb ^ 1) * buffer);
-    cp_async_commit();
-    const int plane = it.first_plane + z;
-    const bool live = slot && plane < G.planes;
-    const int oc = plane % int(G.out_channels);
-    const int grp = oc / int(G.out_per_group), o = oc % int(G.out_per_group);
-    const float start = (live && bias != nullptr) ? to_acc(bias[oc]) : 0.f;
-    uint32_t bfrag[kTaps][2];
-    if (live) {
-      const T* w = weight + G.weights.offset(grp, o, 0, 0, 0);
-      const auto load = [&](auto fixed) {
-        constexpr int kSign = decltype(fixed)::value;
-        const T* base[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          base[e] = w + (kSign != 0 ? kSign * tap[e] : tap[e] * int(G.weights.col));
-#pragma unroll
-        for (int r = 0; r < kTaps; ++r) {
-          T bb[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            bb[e] = in_taps[e] ? base[e][kSign != 0 ? kSign * r * kTaps : r * int(G.weights.row)]
-                               : T{};
-          bfrag[r][0] = pack_pair(bb[0], bb[1]);
-          bfrag[r][1] = pack_pair(bb[2], bb[3]);
-        }
-      };
-      if (sign == 1)
-        load(std::integral_constant<int, 1>{});
-      else if (sign == -1)
-        load(std::integral_constant<int, -1>{});
-      else
-        load(std::integral_constant<int, 0>{});
-    }
-    cp_async_wait_one();
-    __syncthreads();
-    if (live) {
-      const T* const my_row = lane_row + kb * buffer;
-      T* const dst_plane = out + plane * out_plane;
-      int mi = wp / G.nt, ni = wp % G.nt;
-#pragma unroll
-      for (int k = 0; k < kMmaUnits; ++k, next_unit(mi, ni)) {
-        if (mi >= G.mt) break;
-        float acc[4] = {start, start, start, start};
-        const T* window = my_row + 16 * mi * G.pitch + 8 * ni;
-#pragma unroll
-        for (int r = 0; r < kTaps; ++r) {
-          uint32_t a[4];
-          load_fragment(a, window + r * G.pitch);
-          mma_16x8x16<T>(acc, a, bfrag[r]);
-        }
-        // The lane holds outputs (g, 2q + e) in acc[e] and (g + 8, 2q + e) in acc[2 + e].
-        const int x = it.x0 + 8 * ni + 2 * q;
-        const bool lo_inside = x >= 0 && x < G.cols.out;
-        const bool hi_inside = x + 1 >= 0 && x + 1 < G.cols.out;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int y = it.y0 + 16 * mi + g + 8 * h;
-          if (y >= G.rows.out) continue;
-          T* dst = dst_plane + int64_t(y) * G.cols.out + x;
-          const uint32_t pair = pack_outputs<T>(acc[2 * h], acc[2 * h + 1]);
-          if (G.vector_out && lo_inside && hi_inside) {
-            *reinterpret_cast<uint32_t*>(dst) = pair;
-          } else {
-            if (lo_inside) dst[0] = T{uint16_t(pair & 0xffffu)};
-            if (hi_inside) dst[1] = T{uint16_t(pair >> 16)};
-          }
-        }
-      }
-    }
-    __syncthreads();
-    it = next;
-  }
-}
-
-// Elements between the rows of stencil_mma_pipe2_kernel's output staging tile: the tile's
+// Elements between the rows of stencil_mma_pipe_kernel's output staging tile: the tile's
 // 8 * nt columns start d = x_base mod 8 columns in (so that output columns 8j fall on 16-byte
 // vectors), rounded up to whole vectors with pitch / 8 odd (8 rows of 16 bytes hit 8 different
 // groups of 4 banks).
@@ -918,8 +802,9 @@ __host__ __device__ constexpr int mma_stage_pitch(int nt) {
   return (8 * nt + 8) % 16 == 0 ? 8 * nt + 16 : 8 * nt + 8;
 }
 
-// stencil_mma_pipe_kernel, second version. The same units, each the same chain of kTaps mma
-// (hence the same bits), but:
+// stencil_mma_kernel for in_per_group == 1 and G.vector_source, pipelined (cp.async double
+// buffer, persistent blocks). The same units, each the same chain of kTaps mma (hence the same
+// bits), but:
 // - kChains units of a warp at a time, their chains issued alternately (independent
 //   accumulators): the dependent-mma latency is paid once per kChains units;
 // - the accumulators go (packed) to a staging tile in shared memory instead of global memory;
@@ -929,7 +814,7 @@ __host__ __device__ constexpr int mma_stage_pitch(int nt) {
 //   the next item's prefetch may overwrite it: still two barriers per item.
 template <class T, int kTaps, int kChains>
 __global__ void __launch_bounds__(kMmaThreads, kMmaPipeBlocks)
-    stencil_mma_pipe2_kernel(const T* __restrict__ source, const T* __restrict__ weight,
+    stencil_mma_pipe_kernel(const T* __restrict__ source, const T* __restrict__ weight,
                              const T* __restrict__ bias, T* __restrict__ out,
                              const StencilGrid G) {
   extern __shared__ __align__(16) unsigned char shared_memory[];
@@ -1020,15 +905,13 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaPipeBlocks)
     else
       load(std::integral_constant<int, 0>{});
   };
-  // JK_DW_MMA_WNEXT: the next item's weights are loaded after the current item's mma, so that
-  // their latency overlaps its barrier and write-out instead of stalling the item's start.
+  // The next item's weights are loaded after the current item's mma, so that their latency
+  // overlaps its barrier and write-out instead of stalling the item's start.
   T wraw[kTaps][4];
 
   int b = blockIdx.x;
   StencilItem it = stencil_item(G, b, tile_h, tile_w);
-#ifdef JK_DW_MMA_WNEXT
   fetch_weights(it, wraw);
-#endif
   if (b < G.blocks) stage_item_async(G, st, source, it, tiles);
   cp_async_commit();
   for (int kb = 0; b < G.blocks; b += gridDim.x, kb ^= 1) {
@@ -1040,9 +923,6 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaPipeBlocks)
     const bool live = slot && plane < G.planes;
     const int oc = plane % int(G.out_channels);
     const float start = (live && bias != nullptr) ? to_acc(bias[oc]) : 0.f;
-#ifndef JK_DW_MMA_WNEXT
-    fetch_weights(it, wraw);
-#endif
     uint32_t bfrag[kTaps][2];
 #pragma unroll
     for (int r = 0; r < kTaps; ++r) {
@@ -1099,9 +979,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaPipeBlocks)
         }
       }
     }
-#ifdef JK_DW_MMA_WNEXT
     if (nb < G.blocks) fetch_weights(next, wraw);
-#endif
     __syncthreads();  // the staging tiles are complete, and every read of buffer kb is done
     if (live) {
       // Staging column j of the tile is output column xs + j (xs a multiple of 8); the item's
@@ -1418,16 +1296,11 @@ template <class T, int kTaps>
 void launch_stencil_mma_pipe(cudaStream_t stream, const T* source, const T* weight, const T* bias,
                              T* out, const StencilGrid& G) {
   const int threads = 32 * G.warps_per_plane * G.bz;
-#ifdef JK_DW_MMA_V1
-  const size_t shared = 2 * size_t(G.bz) * size_t(G.tile_stride) * sizeof(T);
-  const auto kernel = stencil_mma_pipe_kernel<T, kTaps>;
-#else
   // Two source buffers, then the output staging tiles.
   const size_t shared = (2 * size_t(G.bz) * size_t(G.tile_stride) +
                          size_t(G.bz) * size_t(16 * G.mt) * size_t(mma_stage_pitch(G.nt))) *
                         sizeof(T);
-  const auto kernel = stencil_mma_pipe2_kernel<T, kTaps, kMmaChains>;
-#endif
+  const auto kernel = stencil_mma_pipe_kernel<T, kTaps, kMmaChains>;
   const unsigned blocks = launch_pipelined(kernel, kMmaPipeBlocks, G.blocks, shared);
   kernel<<<blocks, threads, shared, stream>>>(source, weight, bias, out, G);
 }
