@@ -10,7 +10,7 @@
 //   ./depthwise_check dump FILE          (raw forward/dgrad outputs of a few half-type cases,
 //                                        to compare two builds bitwise with cmp)
 // -DJK_DW_MMA_CHAINS=N sets the pipelined tensor-core stencil's interleaved mma chains (default
-// 2; 1, 2 or 4): scripts/dw_bf16_ab.sh compares them.
+// 2; 1, 2 or 4); scripts/depthwise_ab.sh compares such variants.
 #include "conv.cu"
 
 #include <cmath>

@@ -7,8 +7,10 @@
 #   scripts/gpu_check.sh [pytest args...]      (carry .whl; results land in $OUT)
 #
 # Environment: SKIP_DENSE_CHECK=1, SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_BENCH=1, BENCH_OPS=lerp,repeat,
-# CUDA_ARCHS (default 90), RACECHECK_OPS="conv2d grid_sample" (adds a racecheck run of those ops'
-# cases, RACECHECK_DTYPES default float32,bfloat16, limited to RACECHECK_SECONDS, default 300).
+# CUDA_ARCHS (default 90), SANITIZER_OPS="conv2d" / SANITIZER_DTYPES=bfloat16 (a subset of the
+# memcheck cases; default all), SANITIZER_SECONDS (default 300), RACECHECK_OPS="conv2d grid_sample"
+# (adds a racecheck run of those ops' cases, RACECHECK_DTYPES default float32,bfloat16, limited to
+# RACECHECK_SECONDS, default 300). The sanitizer runs are killed as a group at their limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jk_out}
@@ -45,21 +47,35 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   echo "GPU tests: $(( $(date +%s) - start )) s"
 fi
 
+# Runs "$@" in its own process group with output to $log, killing the whole group (the
+# sanitizer and the Python process under it) after $secs seconds.
+run_limited() {
+  local secs=$1 log=$2; shift 2
+  setsid "$@" >"$log" 2>&1 &
+  local pid=$! killer rc
+  (sleep "$secs"; kill -KILL -- "-$pid" 2>/dev/null && echo "killed after $secs s" >>"$log") &
+  killer=$!
+  wait "$pid"; rc=$?
+  kill "$killer" 2>/dev/null
+  tail -8 "$log"
+  return $rc
+}
+
 if [ -z "${SKIP_SANITIZER:-}" ]; then
   start=$(date +%s)
-  JAX_PLATFORMS=cuda timeout 300 compute-sanitizer --tool memcheck --kernel-name kns=jax_kernels \
-    --error-exitcode 3 python3 scripts/sanitize_cases.py 2>&1 | tee "$OUT/sanitizer.log" | tail -15
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  # shellcheck disable=SC2086
+  JAX_PLATFORMS=cuda run_limited "${SANITIZER_SECONDS:-300}" "$OUT/sanitizer.log" compute-sanitizer \
+    --tool memcheck --kernel-name kns=jax_kernels --error-exitcode 3 python3 scripts/sanitize_cases.py \
+    --dtypes "${SANITIZER_DTYPES:-float16,bfloat16,float32,float64}" ${SANITIZER_OPS:-} || status=1
   echo "sanitizer: $(( $(date +%s) - start )) s"
 fi
 
 if [ -n "${RACECHECK_OPS:-}" ]; then  # shared-memory hazards; slow, so a subset of the cases
   start=$(date +%s)
   # shellcheck disable=SC2086
-  JAX_PLATFORMS=cuda timeout -s KILL "${RACECHECK_SECONDS:-300}" compute-sanitizer --tool racecheck \
-    --kernel-name kns=jax_kernels --error-exitcode 3 python3 scripts/sanitize_cases.py \
-    --dtypes "${RACECHECK_DTYPES:-float32,bfloat16}" $RACECHECK_OPS 2>&1 | tee "$OUT/racecheck.log" | tail -5
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  JAX_PLATFORMS=cuda run_limited "${RACECHECK_SECONDS:-300}" "$OUT/racecheck.log" compute-sanitizer \
+    --tool racecheck --kernel-name kns=jax_kernels --error-exitcode 3 python3 scripts/sanitize_cases.py \
+    --dtypes "${RACECHECK_DTYPES:-float32,bfloat16}" $RACECHECK_OPS || status=1
   echo "racecheck: $(( $(date +%s) - start )) s"
 fi
 

@@ -52,7 +52,11 @@ constexpr int64_t kWgradStripBlocks = JK_WGRAD_STRIP_BLOCKS;
 constexpr int kStripCols = 4;              // output columns per thread of the strip kernels
 constexpr int kMmaUnits = 8;               // 16x8 output tiles per warp of the tensor-core stencil
 constexpr int kMmaThreads = 128;           // threads per block of the tensor-core kernels
-constexpr int64_t kWgradMmaBlocks = 4096;  // tensor-core weight-gradient blocks aimed at
+#ifndef JK_WGRAD_MMA_ITEMS
+#define JK_WGRAD_MMA_ITEMS 4096
+#endif
+constexpr int64_t kWgradMmaBlocks = JK_WGRAD_MMA_ITEMS;  // tensor-core wgrad items aimed at
+constexpr int kWgradMmaBlocksPerSm = 6;    // resident blocks/SM of the tensor-core wgrad
 #ifndef JK_MMA_PIPE_BLOCKS
 #define JK_MMA_PIPE_BLOCKS 4
 #endif
@@ -1469,7 +1473,9 @@ WgradPlan plan_wgrad(const ConvProblem& p) {
     plan.kernel = WgradKernel::kMma;
     const int64_t tiles_y = ceil_div(p.P, 64);
     plan.tile_rows = int(ceil_div(p.P, tiles_y));
-    plan.tile_cols = int(16 * std::min<int64_t>(ceil_div(p.Q, 16), 4));
+    // 16, 32 or 64 columns: column steps of 16 that divide the kernel's 4 warps.
+    const int64_t col_steps = ceil_div(p.Q, 16);
+    plan.tile_cols = int(16 * (col_steps >= 3 ? 4 : col_steps));
     plan.tile.tiles_y = tiles_y;
     plan.tile.tiles_x = ceil_div(p.Q, plan.tile_cols);
   } else if (plan.taps > 0 && small) {
@@ -1718,92 +1724,152 @@ __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
 // of the x tile, C[r][s] = sum_{v, x} dy[v - r][x] * x[v][x + s]: for each v and 16 columns
 // x0 .. x0 + 15, A[m][k] = dy[v - m][x0 + k] (16 x 16, rows m >= kTaps unused) and
 // B[k][n] = x[v][x0 + k + n] (16 x 8, columns n >= kTaps unused) make one m16n8k16 product.
-// Block (slice, pair): its warps split the (v, x0) steps of every tile of every image of the
-// slice, then the warps' sums are added in order.
+// Persistent blocks walk the steps (item b = (slice, pair), image n of the slice, tile) of their
+// items, copying the x and dy tiles of the next step into the second of two shared buffers
+// (cp.async where rows are 16-byte vectors, else plain loads) while they compute the current one.
+// Warp w takes the 16-column step w % col_steps of every (warps / col_steps)-th row from
+// w / col_steps, its products taking four accumulator chains in turn; at an item's end the
+// chains, then the warps, are added in a fixed order.
 template <class T, int kTaps>
-__global__ void __launch_bounds__(kMmaThreads, 8)
+__global__ void __launch_bounds__(kMmaThreads, kWgradMmaBlocksPerSm)
     wgrad_mma_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                      float* __restrict__ partial, const WgradGrid G) {
+  constexpr int kWarps = kMmaThreads / 32;
   extern __shared__ __align__(16) unsigned char shared_memory[];
+  T* const tiles = reinterpret_cast<T*>(shared_memory);
+  __shared__ float sums[kWarps][kTaps * kTaps];
   const WgradMmaTiles& M = G.mma;
-  T* const x_tile = reinterpret_cast<T*>(shared_memory);
-  T* const dy_tile = x_tile + M.x_rows * M.x_pitch;
-  __shared__ float sums[kMmaThreads / 32][kTaps * kTaps];
+  const int x_elements = M.x_rows * M.x_pitch, buffer = x_elements + M.dy_rows * M.dy_pitch;
   const ConvProblem& p = G.p;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, q = lane & 3;
+  const int col_steps = G.tile_cols / 16, row_step = kWarps / col_steps;  // col_steps | kWarps
+  const int first_v = warp / col_steps, xs = warp - first_v * col_steps;
   // A: lane l addresses dy row v - m (m = its ldmatrix row), column 8 * (l >> 4); rows m past
-  // the taps read row v (their products are never used).
+  // the taps read row v (their products are never used). B: the lane holds
+  // B[2q + e][g] = x[v][x0 + 2q + g + e] and B[2q + 8 + e][g] (plus the tile's column offset).
   const int m = (lane & 7) + 8 * ((lane >> 3) & 1);
-  const T* const a_lane = dy_tile + (kTaps - 1 - (m < kTaps ? m : 0)) * M.dy_pitch + 8 * (lane >> 4);
-  // B: the lane holds B[2q + e][g] = x[v][x0 + 2q + g + e] and B[2q + 8 + e][g] (plus the
-  // tile's column offset).
-  const T* const b_lane = x_tile + g + 2 * q;
+  const int a_lane = x_elements + (kTaps - 1 - (m < kTaps ? m : 0) + first_v) * M.dy_pitch +
+                     8 * (lane >> 4) + 16 * xs;
+  const int b_lane = first_v * M.x_pitch + g + 2 * q + 16 * xs;
   const int64_t Kg = p.filters_per_group(), Cg = p.channels_per_group();
   const StencilAxis rows = forward_rows(p), cols = forward_cols(p);
-  const StencilAxis dy_cols{p.Q, p.Q, 1, 1, 1, 0, 1};
   const int tiles_per_plane = int(G.tiles_x * G.tiles_y);
-  const int col_steps = G.tile_cols / 16;
+  const int64_t items = G.slices * G.pairs;
 
-  for (int64_t b = blockIdx.x; b < G.slices * G.pairs; b += gridDim.x) {
-    const int64_t slice = b / G.pairs, pair = b % G.pairs;
-    const int64_t k = pair / Cg, c = pair % Cg;
+  struct Step {
+    int64_t b, n;
+    int tile;
+  };
+  const auto first_image = [&](int64_t b) { return (b / G.pairs) * G.images; };
+  const auto advance = [&](Step s) {
+    if (++s.tile < tiles_per_plane) return s;
+    s.tile = 0;
+    if (++s.n < std::min(p.N, first_image(s.b) + G.images)) return s;
+    s.b += gridDim.x;
+    if (s.b < items) s.n = first_image(s.b);
+    return s;
+  };
+  // The tile's first dy row and column, rows, and the x columns staged before its first source
+  // column (from the 16-byte vector at or before it).
+  struct Tile {
+    int y0, x0, rows, offset;
+  };
+  const auto tile_of = [&](int tile) {
+    Tile t;
+    t.y0 = (tile / int(G.tiles_x)) * G.tile_rows;
+    t.x0 = (tile % int(G.tiles_x)) * G.tile_cols;
+    t.rows = std::min<int>(G.tile_rows, int(p.P) - t.y0);
+    t.offset = int(floor_mod(cols.position(t.x0, 0), 8));
+    return t;
+  };
+  const auto stage = [&](const Step& s, T* x_tile) {
+    const int64_t pair = s.b % G.pairs, k = pair / Cg, c = pair % Cg;
     const int64_t channel = (k / Kg) * Cg + c;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    const int64_t first = slice * G.images, last = std::min(p.N, first + G.images);
-    for (int64_t n = first; n < last; ++n) {
-      for (int tile = 0; tile < tiles_per_plane; ++tile) {
-        const int y0 = (tile / int(G.tiles_x)) * G.tile_rows;
-        const int x0 = (tile % int(G.tiles_x)) * G.tile_cols;
-        const int tile_rows = std::min<int>(G.tile_rows, int(p.P) - y0);
-        __syncthreads();  // the previous tiles have been consumed
-        const T* x_plane = x + (n * p.C + channel) * p.H * p.W;
-        const T* dy_rows_of_tile = dy + ((n * p.K + k) * p.P + y0) * p.Q;
-        // x from the 16-byte vector at or before the tile's first source column.
-        const int64_t u0 = rows.position(y0, 0), v0 = cols.position(x0, 0);
-        const int offset = int(floor_mod(v0, 8));
-        const int tid = int(threadIdx.x), threads = int(blockDim.x);
-        if (G.vector_x)
-          stage_tile_vectors<6>(x_tile, x_plane, p.H, p.W, u0, v0 - offset, tile_rows + kTaps - 1,
-                                M.x_cols, M.x_pitch, tid, threads);
-        else
-          stage_tile<8, T>(x_tile, x_plane, rows, cols, u0, v0 - offset, tile_rows + kTaps - 1,
-                           M.x_cols, M.x_pitch, tid, threads);
-        // The tile's dy rows, with kTaps - 1 zero rows above and zeros past its last row (the
-        // neighbouring tiles' rows are theirs to count).
-        if (G.vector_dy) {
-          stage_tile_vectors<6>(dy_tile, dy_rows_of_tile, tile_rows, p.Q, -(kTaps - 1), x0,
-                                M.dy_rows, G.tile_cols, M.dy_pitch, tid, threads);
-        } else {
-          const StencilAxis dy_rows{tile_rows, tile_rows, 1, 1, 1, 0, 1};
-          stage_tile<8, T>(dy_tile, dy_rows_of_tile, dy_rows, dy_cols, -(kTaps - 1), x0,
-                           M.dy_rows, G.tile_cols, M.dy_pitch, tid, threads);
-        }
-        __syncthreads();
-        // Steps (v, x_step) = warp, warp + warps, ... in row-major order, walked without
-        // divisions.
-        const T* const b_tile = b_lane + offset;
-        for (int v = warp / col_steps, xs = warp % col_steps; v < tile_rows + kTaps - 1;) {
-          uint32_t a[4], bfrag[2];
-          load_fragment(a, a_lane + v * M.dy_pitch + 16 * xs);
-          const T* xb = b_tile + v * M.x_pitch + 16 * xs;
-          bfrag[0] = pack_pair(xb[0], xb[1]);
-          bfrag[1] = pack_pair(xb[8], xb[9]);
-          mma_16x8x16<T>(acc, a, bfrag);
-          for (xs += warps; xs >= col_steps; xs -= col_steps) ++v;
-        }
-      }
+    const Tile t = tile_of(s.tile);
+    const T* x_plane = x + (s.n * p.C + channel) * p.H * p.W;
+    const T* dy_rows_of_tile = dy + ((s.n * p.K + k) * p.P + t.y0) * p.Q;
+    const int64_t u0 = rows.position(t.y0, 0), v0 = cols.position(t.x0, 0) - t.offset;
+    const int tid = int(threadIdx.x), threads = int(blockDim.x);
+    T* const dy_tile = x_tile + x_elements;
+    if (G.vector_x)
+      stage_tile_async(x_tile, x_plane, int(p.H), int(p.W), int(u0), int(v0),
+                       t.rows + kTaps - 1, M.x_cols, M.x_pitch, tid, threads);
+    else
+      stage_tile<8, T>(x_tile, x_plane, rows, cols, u0, v0, t.rows + kTaps - 1, M.x_cols,
+                       M.x_pitch, tid, threads);
+    // The tile's dy rows, with kTaps - 1 zero rows above and zeros past its last row (the
+    // neighbouring tiles' rows are theirs to count).
+    if (G.vector_dy) {
+      stage_tile_async(dy_tile, dy_rows_of_tile, t.rows, int(p.Q), -(kTaps - 1), t.x0, M.dy_rows,
+                       G.tile_cols, M.dy_pitch, tid, threads);
+    } else {
+      const StencilAxis dy_rows{t.rows, t.rows, 1, 1, 1, 0, 1};
+      const StencilAxis dy_cols{p.Q, p.Q, 1, 1, 1, 0, 1};
+      stage_tile<8, T>(dy_tile, dy_rows_of_tile, dy_rows, dy_cols, -(kTaps - 1), t.x0, M.dy_rows,
+                       G.tile_cols, M.dy_pitch, tid, threads);
     }
-    // The lane holds C[g][2q + e] in acc[e] (acc[2], acc[3]: rows g + 8, unused).
+  };
+  const auto product = [&](float (&acc)[4], const T* a_row, const T* b_row) {
+    uint32_t a[4], bfrag[2];
+    load_fragment(a, a_row);
+    bfrag[0] = pack_pair(b_row[0], b_row[1]);
+    bfrag[1] = pack_pair(b_row[8], b_row[9]);
+    mma_16x8x16<T>(acc, a, bfrag);
+  };
+
+  Step cur{blockIdx.x, 0, 0};
+  if (cur.b < items) {
+    cur.n = first_image(cur.b);
+    stage(cur, tiles);
+  }
+  cp_async_commit();
+  constexpr int kChains = 4;
+  float acc[kChains][4] = {};
+  for (int kb = 0; cur.b < items; kb ^= 1) {
+    const Step next = advance(cur);
+    if (next.b < items) stage(next, tiles + (kb ^ 1) * buffer);
+    cp_async_commit();
+    const Tile t = tile_of(cur.tile);
+    const int steps = t.rows + kTaps - 1;  // x rows v of the tile
+    const T* a_row = tiles + kb * buffer + a_lane;
+    const T* b_row = tiles + kb * buffer + b_lane + t.offset;
+    const int a_step = row_step * M.dy_pitch, b_step = row_step * M.x_pitch;
+    cp_async_wait_one();
+    __syncthreads();  // the step's tiles are in
+    int v = first_v;
+    for (; v + (kChains - 1) * row_step < steps; v += kChains * row_step) {
 #pragma unroll
-    for (int e = 0; e < 2; ++e)
-      if (g < kTaps && 2 * q + e < kTaps) sums[warp][g * kTaps + 2 * q + e] = acc[e];
-    __syncthreads();
-    for (int t = threadIdx.x; t < kTaps * kTaps; t += blockDim.x) {
-      float sum = sums[0][t];
-      for (int w = 1; w < warps; ++w) sum += sums[w][t];
-      partial[b * (kTaps * kTaps) + t] = sum;
+      for (int c = 0; c < kChains; ++c) product(acc[c], a_row + c * a_step, b_row + c * b_step);
+      a_row += kChains * a_step;
+      b_row += kChains * b_step;
     }
+    for (; v < steps; v += row_step, a_row += a_step, b_row += b_step)
+      product(acc[0], a_row, b_row);
+    if (next.b != cur.b) {  // the item's last step: its sums
+      // The lane holds C[g][2q + e] in acc[.][e] (acc[.][2], acc[.][3]: rows g + 8, unused).
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (g < kTaps && 2 * q + e < kTaps) {
+          float sum = acc[0][e];
+#pragma unroll
+          for (int c = 1; c < kChains; ++c) sum += acc[c][e];
+          sums[warp][g * kTaps + 2 * q + e] = sum;
+        }
+      __syncthreads();
+      for (int i = threadIdx.x; i < kTaps * kTaps; i += blockDim.x) {
+        float sum = sums[0][i];
+#pragma unroll
+        for (int w = 1; w < kWarps; ++w) sum += sums[w][i];
+        partial[cur.b * (kTaps * kTaps) + i] = sum;
+      }
+#pragma unroll
+      for (int c = 0; c < kChains; ++c)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[c][e] = 0.f;
+    }
+    __syncthreads();  // buffer kb (and the sums) consumed: the next step refills them
+    cur = next;
   }
 }
 
@@ -1887,9 +1953,15 @@ void launch_wgrad_strips_pipe(cudaStream_t stream, const T* dy, const T* x, T* p
 template <class T, int kTaps>
 void launch_wgrad_mma(cudaStream_t stream, const T* dy, const T* x, float* partial,
                       const WgradGrid& G) {
-  const unsigned blocks = unsigned(std::min<int64_t>(G.slices * G.pairs, int64_t(1) << 30));
-  wgrad_mma_kernel<T, kTaps>
-      <<<blocks, kMmaThreads, size_t(G.mma.bytes(int(sizeof(T)))), stream>>>(dy, x, partial, G);
+  const size_t shared = 2 * size_t(G.mma.bytes(int(sizeof(T))));
+  const auto kernel = wgrad_mma_kernel<T, kTaps>;
+  // Persistent blocks: as many as are resident (fewer than kWgradMmaBlocksPerSm when the tiles
+  // are large).
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
+  int per_sm = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kMmaThreads, shared);
+  const unsigned blocks = launch_pipelined(kernel, std::max(per_sm, 1), G.slices * G.pairs, shared);
+  kernel<<<blocks, kMmaThreads, shared, stream>>>(dy, x, partial, G);
 }
 
 template <class T>
