@@ -1441,8 +1441,8 @@ struct WgradPlan {
   int64_t slices, images;  // slices of `images` images (a multiple of bz)
 };
 
-// Shared memory of the tensor-core weight gradient: the x tile and the dy tile with taps - 1
-// zero rows above. Rows are 16-byte aligned with pitch / 8 odd (conflict-free ldmatrix).
+// One of the tensor-core weight gradient's two shared buffers: the x tile and the dy tile with
+// taps - 1 zero rows above. Rows are 16-byte aligned with pitch / 8 odd (conflict-free ldmatrix).
 struct WgradMmaTiles {
   int x_rows, x_cols, x_pitch, dy_rows, dy_pitch;
   int bytes(int element) const { return (x_rows * x_pitch + dy_rows * dy_pitch) * element; }
