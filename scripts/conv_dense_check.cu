@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "conv_dense.h"
+#include "conv_reference.cuh"
 #include "jax_kernels/conv.h"
 #include "jax_kernels/scalar.h"
 
@@ -67,74 +68,6 @@ ConvProblem make_problem(int64_t N, int64_t C, int64_t H, int64_t W, int64_t K, 
   p.P = (H + 2 * pad + extra_bottom_right_pad - dilation * (R - 1) - 1) / stride + 1;
   p.Q = (W + 2 * pad + extra_bottom_right_pad - dilation * (S - 1) - 1) / stride + 1;
   return p;
-}
-
-// ---- float64 references, one thread per output element --------------------------------------
-
-__global__ void reference_forward(const double* x, const double* w, const double* bias, double* y,
-                                  ConvProblem p, int64_t count) {
-  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= count) return;
-  const int64_t q = idx % p.Q, pp = idx / p.Q % p.P, k = idx / (p.P * p.Q) % p.K,
-                n = idx / (p.P * p.Q * p.K);
-  const int64_t Cg = p.C / p.groups, g = k / (p.K / p.groups);
-  double sum = bias ? bias[k] : 0.0;
-  for (int64_t c = 0; c < Cg; ++c)
-    for (int64_t r = 0; r < p.R; ++r) {
-      const int64_t h = p.input_row(pp, r);
-      if (h < 0 || h >= p.H) continue;
-      for (int64_t s = 0; s < p.S; ++s) {
-        const int64_t wi = p.input_col(q, s);
-        if (wi < 0 || wi >= p.W) continue;
-        sum += x[((n * p.C + g * Cg + c) * p.H + h) * p.W + wi] * w[((k * Cg + c) * p.R + r) * p.S + s];
-      }
-    }
-  y[idx] = sum;
-}
-
-__global__ void reference_backward_data(const double* dy, const double* w, double* dx,
-                                        ConvProblem p, int64_t count) {
-  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= count) return;
-  const int64_t wi = idx % p.W, h = idx / p.W % p.H, c = idx / (p.H * p.W) % p.C,
-                n = idx / (p.H * p.W * p.C);
-  const int64_t Cg = p.C / p.groups, Kg = p.K / p.groups, g = c / Cg;
-  double sum = 0.0;
-  for (int64_t k = g * Kg; k < (g + 1) * Kg; ++k)
-    for (int64_t r = 0; r < p.R; ++r) {
-      const int64_t ph = h + p.pad_top - r * p.dilation_h;
-      if (ph < 0 || ph % p.stride_h || ph / p.stride_h >= p.P) continue;
-      for (int64_t s = 0; s < p.S; ++s) {
-        const int64_t qw = wi + p.pad_left - s * p.dilation_w;
-        if (qw < 0 || qw % p.stride_w || qw / p.stride_w >= p.Q) continue;
-        sum += dy[((n * p.K + k) * p.P + ph / p.stride_h) * p.Q + qw / p.stride_w] *
-               w[((k * Cg + (c - g * Cg)) * p.R + r) * p.S + s];
-      }
-    }
-  dx[idx] = sum;
-}
-
-__global__ void reference_backward_weight(const double* dy, const double* x, double* dw,
-                                          ConvProblem p, int64_t count) {
-  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= count) return;
-  const int64_t Cg = p.C / p.groups, Kg = p.K / p.groups;
-  const int64_t s = idx % p.S, r = idx / p.S % p.R, c = idx / (p.S * p.R) % Cg,
-                k = idx / (p.S * p.R * Cg);
-  const int64_t g = k / Kg;
-  double sum = 0.0;
-  for (int64_t n = 0; n < p.N; ++n)
-    for (int64_t pp = 0; pp < p.P; ++pp) {
-      const int64_t h = p.input_row(pp, r);
-      if (h < 0 || h >= p.H) continue;
-      for (int64_t q = 0; q < p.Q; ++q) {
-        const int64_t wi = p.input_col(q, s);
-        if (wi < 0 || wi >= p.W) continue;
-        sum += dy[((n * p.K + k) * p.P + pp) * p.Q + q] *
-               x[((n * p.C + g * Cg + c) * p.H + h) * p.W + wi];
-      }
-    }
-  dw[idx] = sum;
 }
 
 // ---- host data ---------------------------------------------------------------------------------
@@ -473,12 +406,12 @@ void run_case(const Case& c, ConvPass pass, ConvDtype dtype, ConvPrecision preci
     const int threads = 128;
     const unsigned blocks = unsigned((out_count + threads - 1) / threads);
     if (pass == ConvPass::kForward)
-      reference_forward<<<blocks, threads>>>(a.exact, b.exact, with_bias ? bias.exact : nullptr,
-                                             reference, p, out_count);
+      conv_reference::forward<<<blocks, threads>>>(a.exact, b.exact,
+                                                   with_bias ? bias.exact : nullptr, reference, p);
     else if (pass == ConvPass::kBackwardData)
-      reference_backward_data<<<blocks, threads>>>(a.exact, b.exact, reference, p, out_count);
+      conv_reference::dgrad<<<blocks, threads>>>(a.exact, b.exact, reference, p);
     else
-      reference_backward_weight<<<blocks, threads>>>(a.exact, b.exact, reference, p, out_count);
+      conv_reference::wgrad<<<blocks, threads>>>(a.exact, b.exact, reference, p);
     CHECK_CUDA(cudaDeviceSynchronize());
     std::vector<double> expected(out_count);
     CHECK_CUDA(cudaMemcpy(expected.data(), reference, out_count * 8, cudaMemcpyDeviceToHost));

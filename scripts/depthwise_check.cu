@@ -12,6 +12,7 @@
 // -DJK_DW_MMA_CHAINS=N sets the pipelined tensor-core stencil's interleaved mma chains (default
 // 2; 1, 2 or 4); scripts/depthwise_ab.sh compares such variants.
 #include "conv.cu"
+#include "conv_reference.cuh"
 
 #include <cmath>
 #include <cstdio>
@@ -40,78 +41,6 @@ using namespace jax_kernels;
       exit(1);                                                                          \
     }                                                                                   \
   } while (0)
-
-// ---- float64 references ---------------------------------------------------------------------
-
-template <class T>
-__global__ void reference_forward(const T* x, const T* w, double* y, ConvProblem p) {
-  const int64_t count = p.N * p.K * p.P * p.Q;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < count;
-       e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t q = e % p.Q, pp = e / p.Q % p.P, k = e / (p.Q * p.P) % p.K, n = e / (p.Q * p.P * p.K);
-    const int64_t Cg = p.channels_per_group(), g = k / p.filters_per_group();
-    double sum = 0;
-    for (int64_t c = 0; c < Cg; ++c)
-      for (int64_t r = 0; r < p.R; ++r)
-        for (int64_t s = 0; s < p.S; ++s) {
-          const int64_t h = p.input_row(pp, r), ww = p.input_col(q, s);
-          if (h < 0 || h >= p.H || ww < 0 || ww >= p.W) continue;
-          sum += double(to_acc(w[((k * Cg + c) * p.R + r) * p.S + s])) *
-                 double(to_acc(x[((n * p.C + g * Cg + c) * p.H + h) * p.W + ww]));
-        }
-    y[e] = sum;
-  }
-}
-
-template <class T>
-__global__ void reference_dgrad(const T* dy, const T* w, double* dx, ConvProblem p) {
-  const int64_t count = p.N * p.C * p.H * p.W;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < count;
-       e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t ww = e % p.W, h = e / p.W % p.H, c = e / (p.W * p.H) % p.C, n = e / (p.W * p.H * p.C);
-    const int64_t Cg = p.channels_per_group(), Kg = p.filters_per_group(), g = c / Cg;
-    double sum = 0;
-    for (int64_t kk = 0; kk < Kg; ++kk) {
-      const int64_t k = g * Kg + kk;
-      for (int64_t r = 0; r < p.R; ++r)
-        for (int64_t s = 0; s < p.S; ++s) {
-          const int64_t hp = h + p.pad_top - r * p.dilation_h, wq = ww + p.pad_left - s * p.dilation_w;
-          if (hp < 0 || wq < 0 || hp % p.stride_h || wq % p.stride_w) continue;
-          const int64_t pp = hp / p.stride_h, q = wq / p.stride_w;
-          if (pp >= p.P || q >= p.Q) continue;
-          sum += double(to_acc(w[((k * Cg + c % Cg) * p.R + r) * p.S + s])) *
-                 double(to_acc(dy[((n * p.K + k) * p.P + pp) * p.Q + q]));
-        }
-    }
-    dx[e] = sum;
-  }
-}
-
-template <class T>
-__global__ void reference_wgrad(const T* dy, const T* x, double* dw, ConvProblem p) {
-  const int64_t Cg = p.channels_per_group();
-  const int64_t count = p.K * Cg * p.R * p.S;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < count;
-       e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t s = e % p.S, r = e / p.S % p.R, c = e / (p.S * p.R) % Cg, k = e / (p.S * p.R * Cg);
-    const int64_t channel = (k / p.filters_per_group()) * Cg + c;
-    double sum = 0;
-    for (int64_t n = 0; n < p.N; ++n)
-      for (int64_t pp = 0; pp < p.P; ++pp) {
-        const int64_t h = p.input_row(pp, r);
-        if (h < 0 || h >= p.H) continue;
-        for (int64_t q = 0; q < p.Q; ++q) {
-          const int64_t ww = p.input_col(q, s);
-          if (ww < 0 || ww >= p.W) continue;
-          sum += double(to_acc(dy[((n * p.K + k) * p.P + pp) * p.Q + q])) *
-                 double(to_acc(x[((n * p.C + channel) * p.H + h) * p.W + ww]));
-        }
-      }
-    dw[e] = sum;
-  }
-}
-
-// ---- the passes, set up as the FFI handlers do ---------------------------------------------------
 
 template <class T>
 void forward(cudaStream_t stream, const T* x, const T* w, T* y, const ConvProblem& p) {
@@ -211,15 +140,16 @@ void check(const char* name, const ConvProblem& p, cudaStream_t stream) {
   CHECK(cudaMalloc(&scratch, scratch_bytes));
   double errors[3];
   forward(stream, x.device, w.device, y.device, p);
-  reference_forward<<<1024, 256, 0, stream>>>(x.device, w.device, ref, p);
+  conv_reference::forward<<<1024, 256, 0, stream>>>(x.device, w.device,
+                                                    static_cast<const T*>(nullptr), ref, p);
   CHECK(cudaStreamSynchronize(stream));
   errors[0] = relative_error(y.host(), host_doubles(ref, y.count));
   dgrad(stream, dy.device, w.device, dx.device, p);
-  reference_dgrad<<<1024, 256, 0, stream>>>(dy.device, w.device, ref, p);
+  conv_reference::dgrad<<<1024, 256, 0, stream>>>(dy.device, w.device, ref, p);
   CHECK(cudaStreamSynchronize(stream));
   errors[1] = relative_error(dx.host(), host_doubles(ref, dx.count));
   wgrad(stream, dy.device, x.device, dw.device, p, scratch, scratch_bytes);
-  reference_wgrad<<<1024, 128, 0, stream>>>(dy.device, x.device, ref, p);
+  conv_reference::wgrad<<<1024, 128, 0, stream>>>(dy.device, x.device, ref, p);
   CHECK(cudaStreamSynchronize(stream));
   errors[2] = relative_error(dw.host(), host_doubles(ref, dw.count));
   // Bitwise reproducibility of the wgrad.
