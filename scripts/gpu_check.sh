@@ -2,11 +2,13 @@
 # One-call GPU check for the device machine (no network): install the carried CUTLASS wheel,
 # build and install jax_kernels with CUDA, check the tensor-core conv path standalone
 # (conv_dense_check), run the test suite on the GPU, run compute-sanitizer
-# memcheck on small cases of every kernel, then the benchmark against jnp/lax and torch.
+# memcheck on small cases of every kernel, record the digests of every deterministic pass's bits
+# (tools/pass_digests.py, to compare before and after a change), then the benchmark against
+# jnp/lax and torch.
 #
 #   scripts/gpu_check.sh [pytest args...]      (carry .whl; results land in $OUT)
 #
-# Environment: SKIP_DENSE_CHECK=1, SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_BENCH=1, BENCH_OPS=lerp,repeat,
+# Environment: SKIP_DENSE_CHECK=1, SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_DIGESTS=1, SKIP_BENCH=1, BENCH_OPS=lerp,repeat,
 # CUDA_ARCHS (default 90), SANITIZER_OPS="conv2d" / SANITIZER_DTYPES=bfloat16 (a subset of the
 # memcheck cases; default all), SANITIZER_SECONDS (default 300), RACECHECK_OPS="conv2d grid_sample"
 # (adds a racecheck run of those ops' cases, RACECHECK_DTYPES default float32,bfloat16, limited to
@@ -77,6 +79,12 @@ if [ -n "${RACECHECK_OPS:-}" ]; then  # shared-memory hazards; slow, so a subset
     --tool racecheck --kernel-name kns=jax_kernels --error-exitcode 3 python3 scripts/sanitize_cases.py \
     --dtypes "${RACECHECK_DTYPES:-float32,bfloat16}" $RACECHECK_OPS || status=1
   echo "racecheck: $(( $(date +%s) - start )) s"
+fi
+
+if [ -z "${SKIP_DIGESTS:-}" ]; then  # bits of every deterministic pass, GPU-sized shapes included
+  start=$(date +%s)
+  JAX_PLATFORMS=cuda python3 tools/pass_digests.py --large --out "$OUT/digests.json" || status=1
+  echo "digests: $(( $(date +%s) - start )) s"
 fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then
