@@ -422,7 +422,7 @@ def cases_grid_sample(ctx: Context) -> list[Case]:
 
 
 def cases_conv2d(ctx: Context) -> list[Case]:
-    """DESIGN.md section 8: 3x3 64->64 (bf16, f32 in TF32), 1x1 256->64 (bf16) and depthwise
+    """The target cases: 3x3 64->64 (bf16, f32 in TF32), 1x1 256->64 (bf16) and depthwise
     7x7 (f32, bf16), each forward, dgrad and wgrad, NCHW, against lax.conv and torch (cuDNN on
     the GPU; torch's default TF32 for f32 as jk's and lax's default precision). The CPU runs the
     depthwise case of section 8 (C96 N8 28x28) and the dense ones at that size."""
