@@ -5,7 +5,9 @@ was found), registers every FFI target for platform ``"cpu"`` and, when the CUDA
 ``"CUDA"``; when it does not, every target name is registered for ``"CUDA"`` with a stand-in
 handler whose error says how to reinstall with CUDA. The op modules build their custom calls
 through :func:`call` (and :func:`call_with_cuda_scratch` where the CUDA kernels need temporary
-memory).
+memory, the one place that chooses by platform), size scratch with :func:`query`, and take the
+codes of enum attributes from :data:`ENUMS` (exported by the native module, so that the codes are
+written once, in C++).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ except ImportError:  # built without CUDA
     _cuda = None
 
 CUDA_BUILT = _cuda is not None
+
+#: ``{enum: {name: code}}`` of the enum attributes and query arguments (e.g.
+#: ``ENUMS["GridSampleMode"]["bilinear"]``), as the C++ headers define them.
+ENUMS: dict[str, dict[str, int]] = {name: dict(codes) for name, codes in _cpu.enums.items()}
 
 
 def _register() -> None:
@@ -49,13 +55,14 @@ def records() -> dict[str, list[tuple[str, str, str, str, str]]]:
     return out
 
 
-def query(name: str, *arguments: int, platform: str = "cuda") -> int:
-    """Calls host function ``name`` of the ``platform`` module (e.g. the scratch bytes a CUDA
-    pass needs for a problem size). Raises RuntimeError when that module was not built."""
+def query(name: str, platform: str = "cuda", **arguments: Any) -> int:
+    """Calls host function ``name`` of the ``platform`` module with named integer arguments (e.g.
+    the scratch bytes a CUDA pass needs for a problem). Raises RuntimeError when that module was
+    not built, ValueError for a missing or unknown argument."""
     module = _cuda if platform == "cuda" else _cpu
     if module is None:
         raise RuntimeError(f"jax_kernels: the {platform} module was not built")
-    return int(module.query(name, [int(a) for a in arguments]))
+    return int(module.query(name, {key: int(value) for key, value in arguments.items()}))
 
 
 def call(

@@ -5,8 +5,8 @@ weight gradient (wgrad) and the bias gradient, each dtype-dispatched inside; XLA
 nobody asked for. A missing bias travels as a zero-length array. On CUDA the forward, dgrad and
 wgrad targets also return a uint8 scratch buffer whose size the CUDA module computes at trace
 time (host query ``conv2d_scratch``: the tensor-core path's need when it takes the problem,
-else the direct kernels'); only the CUDA lowering asks for it (``lax.platform_dependent``) and
-the wrapper drops it.
+else the direct kernels'); only the CUDA lowering asks for it (``_ffi.call_with_cuda_scratch``)
+and the wrapper drops it.
 
 Batching: each FFI call has a ``custom_vmap`` rule, and the ``custom_vjp`` calls them, so
 ``vmap``, ``grad`` and ``vmap(grad)`` batch without loops. A batched input folds into N. Batched
@@ -33,20 +33,13 @@ from ._checks import as_array, check_float_dtypes
 
 _OP = "conv2d"
 
-# Codes shared with cpp/include/jax_kernels/conv.h (ConvPass, ConvDtype, ConvPrecision).
-_FORWARD, _BACKWARD_DATA, _BACKWARD_WEIGHT = 0, 1, 2
-_DTYPE_CODES = {
-    np.dtype(jnp.float16): 0,
-    np.dtype(jnp.bfloat16): 1,
-    np.dtype(jnp.float32): 2,
-    np.dtype(jnp.float64): 3,
-}
-_PRECISION_CODES = {
-    None: 0,
-    "default": 0,
-    jax.lax.Precision.DEFAULT: 0,
-    "highest": 1,
-    jax.lax.Precision.HIGHEST: 1,
+# The accepted spellings of `precision`, by their name in ConvPrecision (conv.h).
+_PRECISIONS = {
+    None: "default",
+    "default": "default",
+    jax.lax.Precision.DEFAULT: "default",
+    "highest": "highest",
+    jax.lax.Precision.HIGHEST: "highest",
 }
 
 
@@ -96,7 +89,7 @@ def conv2d(input: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: 
 
 
 @dataclasses.dataclass(frozen=True)
-class _Conv:
+class _Attrs:
     """The static attributes of a convolution (hashable: part of the jit cache key)."""
 
     stride: tuple[int, int]
@@ -105,11 +98,12 @@ class _Conv:
     groups: int
     precision: int
 
-    def with_groups(self, groups: int) -> "_Conv":
+    def with_groups(self, groups: int) -> "_Attrs":
         return dataclasses.replace(self, groups=groups)
 
-    def attributes(self) -> dict[str, np.int64]:
-        """The kernels' attributes; bottom/right padding is implied by the output extent."""
+    def ffi_attributes(self) -> dict[str, np.int64]:
+        """The kernels' attributes (ConvAttrs in conv.h); bottom/right padding is implied by the
+        output extent."""
         return {
             "stride_h": np.int64(self.stride[0]),
             "stride_w": np.int64(self.stride[1]),
@@ -148,7 +142,7 @@ def _pair(name: str, value: Any) -> tuple[int, int]:
     return v, v
 
 
-def _make_conv(x_shape, w_shape, b_shape, stride, padding, dilation, groups, precision) -> _Conv:
+def _make_conv(x_shape, w_shape, b_shape, stride, padding, dilation, groups, precision) -> _Attrs:
     shapes = f"input {tuple(x_shape)}, weight {tuple(w_shape)}"
     if len(w_shape) != 4:
         raise ValueError(f"{_OP}(): expected weight of shape (K, C / groups, R, S), got "
@@ -200,18 +194,18 @@ def _make_conv(x_shape, w_shape, b_shape, stride, padding, dilation, groups, pre
                          f"{dilation}), larger than the padded input {padded}; {shapes}, "
                          f"padding (top, bottom, left, right) {pads}")
     try:
-        precision_code = _PRECISION_CODES[precision]
+        precision_code = _ffi.ENUMS["ConvPrecision"][_PRECISIONS[precision]]
     except (KeyError, TypeError):
         raise ValueError(f"{_OP}(): precision must be None, 'default' or 'highest', got "
                          f"{precision!r}") from None
-    return _Conv(stride, pads, dilation, groups, precision_code)
+    return _Attrs(stride, pads, dilation, groups, precision_code)
 
 
 # --- differentiation ---------------------------------------------------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _conv2d(x, w, b, conv: _Conv, has_bias: bool):
+def _conv2d(x, w, b, conv: _Attrs, has_bias: bool):
     return _forward_call(conv)(x, w, b)
 
 
@@ -236,23 +230,24 @@ _conv2d_jit = jax.jit(_conv2d, static_argnums=(3, 4))
 # --- FFI calls ---------------------------------------------------------------------------------
 
 
-def _emit(target: str, pass_: int, conv: _Conv, result: jax.ShapeDtypeStruct, operands,
+def _emit(target: str, pass_: str, conv: _Attrs, result: jax.ShapeDtypeStruct, operands,
           problem: tuple[int, ...]) -> jax.Array:
-    """The custom call `target`; on CUDA with the scratch buffer its kernels need (dropped).
+    """The custom call `target` of pass `pass_` (a ConvPass name); on CUDA with the scratch buffer
+    its kernels need (dropped).
 
     `problem` is (N, C, H, W, K, R, S, P, Q) of the forward convolution."""
 
     def scratch_bytes():
-        nbytes = _ffi.query(
-            "conv2d_scratch", pass_, _DTYPE_CODES[np.dtype(result.dtype)], conv.precision,
-            *problem, conv.stride[0], conv.stride[1], conv.padding[0], conv.padding[2],
-            conv.dilation[0], conv.dilation[1], conv.groups)
+        extents = dict(zip(("N", "C", "H", "W", "K", "R", "S", "P", "Q"), problem))
+        nbytes = _ffi.query("conv2d_scratch", **{"pass": _ffi.ENUMS["ConvPass"][pass_]},
+                            dtype=_ffi.ENUMS["ConvDtype"][np.dtype(result.dtype).name],
+                            **extents, **conv.ffi_attributes())
         if nbytes < 0:
             raise RuntimeError(f"{_OP}(): the CUDA module rejected the problem {problem}")
         return nbytes
 
     return _ffi.call_with_cuda_scratch(target, result, *operands, scratch_bytes=scratch_bytes,
-                                       **conv.attributes())
+                                       **conv.ffi_attributes())
 
 
 def _merge_leading(x):
@@ -277,7 +272,7 @@ def _channels_to_batch(x, batch: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_call(conv: _Conv):
+def _forward_call(conv: _Attrs):
     """x [N, C, H, W], w [K, C/g, R, S], b [K] or [0] -> y [N, K, P, Q]."""
 
     @custom_vmap
@@ -286,7 +281,7 @@ def _forward_call(conv: _Conv):
         K, _, R, S = w.shape
         P, Q = conv.output_hw((H, W), (R, S))
         result = jax.ShapeDtypeStruct((N, K, P, Q), x.dtype)
-        return _emit("jk_conv2d_fwd", _FORWARD, conv, result, (x, w, b),
+        return _emit("jk_conv2d_fwd", "forward", conv, result, (x, w, b),
                      (N, C, H, W, K, R, S, P, Q))
 
     @forward.def_vmap
@@ -325,7 +320,7 @@ def _forward_call(conv: _Conv):
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_data_call(conv: _Conv, input_hw: tuple[int, int]):
+def _backward_data_call(conv: _Attrs, input_hw: tuple[int, int]):
     """dy [N, K, P, Q], w [K, C/g, R, S] -> dx [N, C, H, W]."""
 
     @custom_vmap
@@ -334,7 +329,7 @@ def _backward_data_call(conv: _Conv, input_hw: tuple[int, int]):
         _, Cg, R, S = w.shape
         C = Cg * conv.groups
         result = jax.ShapeDtypeStruct((N, C) + input_hw, dy.dtype)
-        return _emit("jk_conv2d_bwd_input", _BACKWARD_DATA, conv, result, (dy, w),
+        return _emit("jk_conv2d_bwd_input", "backward_data", conv, result, (dy, w),
                      (N, C) + input_hw + (K, R, S, P, Q))
 
     @backward_data.def_vmap
@@ -362,7 +357,7 @@ def _backward_data_call(conv: _Conv, input_hw: tuple[int, int]):
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_weight_call(conv: _Conv, kernel_rs: tuple[int, int]):
+def _backward_weight_call(conv: _Attrs, kernel_rs: tuple[int, int]):
     """dy [N, K, P, Q], x [N, C, H, W] -> dw [K, C/g, R, S]."""
 
     @custom_vmap
@@ -370,7 +365,7 @@ def _backward_weight_call(conv: _Conv, kernel_rs: tuple[int, int]):
         N, K, P, Q = dy.shape
         _, C, H, W = x.shape
         result = jax.ShapeDtypeStruct((K, C // conv.groups) + kernel_rs, dy.dtype)
-        return _emit("jk_conv2d_bwd_weight", _BACKWARD_WEIGHT, conv, result, (dy, x),
+        return _emit("jk_conv2d_bwd_weight", "backward_weight", conv, result, (dy, x),
                      (N, C, H, W, K) + kernel_rs + (P, Q))
 
     @backward_weight.def_vmap

@@ -28,12 +28,13 @@ from jax.custom_batching import custom_vmap
 from . import _ffi
 from ._checks import as_array, check_float_dtypes
 
-_MODES = {"bilinear": 0, "nearest": 1, "bicubic": 2}
-_PADDINGS = {"zeros": 0, "border": 1, "reflection": 2}
-_TAPS_PER_AXIS = {0: 2, 1: 1, 2: 4}
+_MODES = _ffi.ENUMS["GridSampleMode"]
+_PADDINGS = _ffi.ENUMS["GridSamplePadding"]
 
 
-class _Options(NamedTuple):
+class _Attrs(NamedTuple):
+    """The static attributes of a call (hashable: part of the jit cache key)."""
+
     mode: int
     padding: int
     align_corners: bool
@@ -64,11 +65,11 @@ def grid_sample(input: Any, grid: Any, mode: str = "bilinear", padding_mode: str
     """
     input = as_array("grid_sample", "input", input)
     grid = as_array("grid_sample", "grid", grid)
-    options = _check(input, grid, mode, padding_mode, align_corners, deterministic)
-    return _grid_sample_jit(input, grid, options)
+    attrs = _check(input, grid, mode, padding_mode, align_corners, deterministic)
+    return _grid_sample_jit(input, grid, attrs)
 
 
-def _check(input, grid, mode, padding_mode, align_corners, deterministic) -> _Options:
+def _check(input, grid, mode, padding_mode, align_corners, deterministic) -> _Attrs:
     check_float_dtypes("grid_sample", input=input, grid=grid)
     if not isinstance(mode, str) or mode not in _MODES:
         raise ValueError(
@@ -99,7 +100,7 @@ def _check(input, grid, mode, padding_mode, align_corners, deterministic) -> _Op
     if mode == "bicubic" and dims != 2:
         raise ValueError(
             f"grid_sample(): mode 'bicubic' supports only 4-D input, got input of shape {shape}")
-    return _Options(_MODES[mode], _PADDINGS[padding_mode], bool(align_corners), bool(deterministic))
+    return _Attrs(_MODES[mode], _PADDINGS[padding_mode], bool(align_corners), bool(deterministic))
 
 
 # --- differentiation ------------------------------------------------------------------------
@@ -110,22 +111,22 @@ def _identity_maps(*operands: jax.Array) -> tuple[tuple[int, int], ...]:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _grid_sample(input, grid, options):
-    return _kernel("fwd", options, _identity_maps(input, grid), ())(input, grid)
+def _grid_sample(input, grid, attrs):
+    return _kernel("fwd", attrs, _identity_maps(input, grid), ())(input, grid)
 
 
-def _grid_sample_fwd(input, grid, options):
-    return _grid_sample(input, grid, options), (input, grid)
+def _grid_sample_fwd(input, grid, attrs):
+    return _grid_sample(input, grid, attrs), (input, grid)
 
 
-def _grid_sample_bwd(options, residuals, dout):
+def _grid_sample_bwd(attrs, residuals, dout):
     input, grid = residuals
-    d_input = _kernel("bwd_input", options, _identity_maps(dout, grid), tuple(input.shape[1:]))(
+    d_input = _kernel("bwd_input", attrs, _identity_maps(dout, grid), tuple(input.shape[1:]))(
         dout, grid)
-    if options.mode == _MODES["nearest"]:
+    if attrs.mode == _MODES["nearest"]:
         d_grid = jnp.zeros_like(grid)
     else:
-        d_grid = _kernel("bwd_grid", options, _identity_maps(dout, input, grid), ())(
+        d_grid = _kernel("bwd_grid", attrs, _identity_maps(dout, input, grid), ())(
             dout, input, grid)
     return d_input, d_grid
 
@@ -146,14 +147,14 @@ def _output_batch(rows: int, map_: tuple[int, int]) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(pass_: str, options: _Options, maps: tuple[tuple[int, int], ...],
+def _kernel(pass_: str, attrs: _Attrs, maps: tuple[tuple[int, int], ...],
             cells_shape: tuple[int, ...]):
     """The FFI call of one pass ("fwd", "bwd_input", "bwd_grid") for the given batch maps, as a
     custom_vmap function of the pass's operands. `cells_shape` is d_input's (C, *spatial)."""
 
     @custom_vmap
     def call(*operands):
-        return _emit(pass_, options, maps, cells_shape, operands)
+        return _emit(pass_, attrs, maps, cells_shape, operands)
 
     @call.def_vmap
     def rule(axis_size, in_batched, *operands):
@@ -165,7 +166,7 @@ def _kernel(pass_: str, options: _Options, maps: tuple[tuple[int, int], ...],
         first = operands[0]
         batch = _output_batch(first.shape[1] if in_batched[0] else first.shape[0], maps[0])
         folded, folded_maps = _fold(axis_size, in_batched, operands, maps, batch)
-        out = _kernel(pass_, options, folded_maps, cells_shape)(*folded)
+        out = _kernel(pass_, attrs, folded_maps, cells_shape)(*folded)
         return out.reshape((axis_size, batch) + out.shape[1:]), True
 
     return call
@@ -193,13 +194,15 @@ def _fold(axis_size, in_batched, operands, maps, batch):
     return folded, tuple(folded_maps)
 
 
-def _emit(pass_, options, maps, cells_shape, operands):
+def _emit(pass_, attrs, maps, cells_shape, operands):
     batch = _output_batch(operands[0].shape[0], maps[0])
+    # GridSampleAttrs in grid_sample.h: every target takes all of them.
     attributes = dict(
-        mode=np.int64(options.mode),
-        padding=np.int64(options.padding),
-        align_corners=options.align_corners,
+        mode=np.int64(attrs.mode),
+        padding=np.int64(attrs.padding),
+        align_corners=attrs.align_corners,
         batch_maps=np.asarray([v for m in maps for v in m], dtype=np.int64),
+        deterministic=attrs.deterministic,
     )
     if pass_ == "fwd":
         input, grid = operands
@@ -211,20 +214,19 @@ def _emit(pass_, options, maps, cells_shape, operands):
         return _ffi.call("jk_grid_sample_bwd_grid", d_grid, dout, input, grid, **attributes)
     dout, grid = operands
     d_input = jax.ShapeDtypeStruct((batch,) + cells_shape, dout.dtype)
-    return _backward_input(dout, grid, d_input, options, attributes)
+    return _backward_input(dout, grid, d_input, attrs, attributes)
 
 
-def _backward_input(dout, grid, d_input, options, attributes):
+def _backward_input(dout, grid, d_input, attrs, attributes):
     """The d_input call; its scratch result (empty except for the CUDA sorted path) is dropped."""
 
     def scratch_bytes():
-        points = int(np.prod(grid.shape[1:-1]))
-        dims = grid.shape[-1]
-        cells = int(np.prod(d_input.shape[2:]))
-        return _ffi.query("grid_sample_bwd_input_scratch", d_input.shape[0], points,
-                          _TAPS_PER_AXIS[options.mode] ** dims, cells,
-                          np.dtype(dout.dtype).itemsize, int(options.deterministic))
+        return _ffi.query("grid_sample_bwd_input_scratch", batch=d_input.shape[0],
+                          points=int(np.prod(grid.shape[1:-1])),
+                          cells=int(np.prod(d_input.shape[2:])), dims=grid.shape[-1],
+                          mode=attrs.mode, element_bytes=np.dtype(dout.dtype).itemsize,
+                          deterministic=attrs.deterministic)
 
     return _ffi.call_with_cuda_scratch("jk_grid_sample_bwd_input", d_input, dout, grid,
                                        scratch_bytes=scratch_bytes, cpu_scratch=True,
-                                       deterministic=options.deterministic, **attributes)
+                                       **attributes)

@@ -31,12 +31,15 @@ _MAX_SAMPLING_RATIO = 1 << 20  # kRoiAlignMaxAdaptiveGrid
 _EXACT_INTEGERS = {np.dtype(jnp.float16): 2048, np.dtype(jnp.bfloat16): 256}
 
 
-class _Params(NamedTuple):
+class _Attrs(NamedTuple):
+    """The static attributes of a call (hashable: part of the jit cache key)."""
+
     pooled_height: int
     pooled_width: int
     spatial_scale: float
     sampling_ratio: int
     aligned: bool
+    deterministic: bool
 
 
 class _Batching(NamedTuple):
@@ -83,9 +86,9 @@ def roi_align(input: Any, boxes: Any, output_size: int | Sequence[int], spatial_
                          f"{tuple(input.shape)}")
     boxes = _rois(input, boxes)
     check_float_dtypes("roi_align", input=input, boxes=boxes)
-    params = _Params(*_output_size(output_size), _spatial_scale(spatial_scale),
-                     _sampling_ratio(sampling_ratio), bool(aligned))
-    return _roi_align_jit(input, boxes, params, bool(deterministic))
+    attrs = _Attrs(*_output_size(output_size), _spatial_scale(spatial_scale),
+                   _sampling_ratio(sampling_ratio), bool(aligned), bool(deterministic))
+    return _roi_align_jit(input, boxes, attrs)
 
 
 def _rois(input: jax.Array, boxes: Any) -> jax.Array:
@@ -146,17 +149,19 @@ def _sampling_ratio(sampling_ratio: Any) -> int:
     return ratio
 
 
-def _attrs(params: _Params, batching: _Batching) -> dict[str, Any]:
-    # An unbatched call passes one neutral term: the kernels always read an array.
+def _ffi_attributes(attrs: _Attrs, batching: _Batching) -> dict[str, Any]:
+    """RoiAlignAttrs in roi_align.h: every target takes all of them. An unbatched call passes one
+    neutral term: the kernels always read an array."""
     terms = batching.terms or ((1, 1, 0),)
     return dict(
-        pooled_height=np.int64(params.pooled_height),
-        pooled_width=np.int64(params.pooled_width),
-        spatial_scale=np.float64(params.spatial_scale),
-        sampling_ratio=np.int64(params.sampling_ratio),
-        aligned=bool(params.aligned),
+        pooled_height=np.int64(attrs.pooled_height),
+        pooled_width=np.int64(attrs.pooled_width),
+        spatial_scale=np.float64(attrs.spatial_scale),
+        sampling_ratio=np.int64(attrs.sampling_ratio),
+        aligned=bool(attrs.aligned),
         batch_images=np.int64(batching.images),
         batch_terms=np.asarray([v for term in terms for v in term], dtype=np.int64),
+        deterministic=bool(attrs.deterministic),
     )
 
 
@@ -175,16 +180,17 @@ def _rows(x: jax.Array, batched: bool) -> int:
 # --- forward ------------------------------------------------------------------------------------
 
 
-def _forward_call(params: _Params, batching: _Batching, input: jax.Array,
+def _forward_call(attrs: _Attrs, batching: _Batching, input: jax.Array,
                   boxes: jax.Array) -> jax.Array:
-    shape = (boxes.shape[0], input.shape[1], params.pooled_height, params.pooled_width)
+    shape = (boxes.shape[0], input.shape[1], attrs.pooled_height, attrs.pooled_width)
     result = jax.ShapeDtypeStruct(shape, input.dtype)
 
     def scratch_bytes():
         # The CUDA forward stages the input in NHWC order and sorts the boxes by position in
         # scratch memory.
-        nbytes = _ffi.query("roi_align_forward_scratch", *input.shape, boxes.shape[0],
-                            np.dtype(input.dtype).itemsize)
+        n, c, h, w = input.shape
+        nbytes = _ffi.query("roi_align_forward_scratch", N=n, C=c, H=h, W=w, boxes=boxes.shape[0],
+                            element_bytes=np.dtype(input.dtype).itemsize)
         if nbytes < 0:
             raise ValueError(f"roi_align(): {boxes.shape[0]} boxes on {input.shape[0]} images of "
                              f"{input.shape[2]} rows exceed the 32-bit box sort of the CUDA "
@@ -192,14 +198,14 @@ def _forward_call(params: _Params, batching: _Batching, input: jax.Array,
         return nbytes
 
     return _ffi.call_with_cuda_scratch("jk_roi_align_fwd", result, input, boxes,
-                                       scratch_bytes=scratch_bytes, **_attrs(params, batching))
+                                       scratch_bytes=scratch_bytes, **_ffi_attributes(attrs, batching))
 
 
 @functools.lru_cache(maxsize=None)
-def _forward(params: _Params, batching: _Batching):
+def _forward(attrs: _Attrs, batching: _Batching):
     @jax.custom_batching.custom_vmap
     def forward(input, boxes):
-        return _forward_call(params, batching, input, boxes)
+        return _forward_call(attrs, batching, input, boxes)
 
     @forward.def_vmap
     def forward_rule(axis_size, in_batched, input, boxes):
@@ -209,7 +215,7 @@ def _forward(params: _Params, batching: _Batching):
         if input_batched:
             folded = batching.fold_images(rows, axis_size, input.shape[1])
             input = input.reshape((axis_size * input.shape[1],) + input.shape[2:])
-        out = _forward(params, folded)(input, _fold_rows(boxes, boxes_batched, axis_size))
+        out = _forward(attrs, folded)(input, _fold_rows(boxes, boxes_batched, axis_size))
         return out.reshape((axis_size, rows) + out.shape[1:]), True
 
     return forward
@@ -218,23 +224,20 @@ def _forward(params: _Params, batching: _Batching):
 # --- backward: input gradient ---------------------------------------------------------------------
 
 
-def _backward_input_call(params: _Params, batching: _Batching, shape: tuple[int, ...],
-                         deterministic: bool, dout: jax.Array, boxes: jax.Array) -> jax.Array:
+def _backward_input_call(attrs: _Attrs, batching: _Batching, shape: tuple[int, ...],
+                         dout: jax.Array, boxes: jax.Array) -> jax.Array:
     result = jax.ShapeDtypeStruct(shape, dout.dtype)
-    attrs = _attrs(params, batching)
-    if _ffi.CUDA_BUILT and not deterministic and np.dtype(dout.dtype) in (np.float32, np.float64):
-        # float atomics on CUDA; the CPU ignores the flag
-        return jax.lax.platform_dependent(
-            dout, boxes,
-            default=lambda d, b: _ffi.call("jk_roi_align_bwd_input", result, d, b, **attrs),
-            cuda=lambda d, b: _ffi.call("jk_roi_align_bwd_input_atomic", result, d, b, **attrs))
 
     def scratch_bytes():
-        # Half types have no fast atomics and always take the sorted, ordered gather.
+        # deterministic=False takes float atomics for float32/float64 (no scratch); the half
+        # types have no fast atomics and always take the sorted, ordered gather.
         n, c, h, w = shape
-        nbytes = _ffi.query("roi_align_backward_input_scratch", n, c, h, w, boxes.shape[0],
-                            params.pooled_height, params.pooled_width, params.sampling_ratio,
-                            np.dtype(dout.dtype).itemsize)
+        nbytes = _ffi.query("roi_align_backward_input_scratch", N=n, C=c, H=h, W=w,
+                            boxes=boxes.shape[0], pooled_height=attrs.pooled_height,
+                            pooled_width=attrs.pooled_width,
+                            sampling_ratio=attrs.sampling_ratio,
+                            element_bytes=np.dtype(dout.dtype).itemsize,
+                            deterministic=attrs.deterministic)
         if nbytes < 0:
             raise ValueError(
                 f"roi_align(): the deterministic CUDA input gradient sorts one entry per box, "
@@ -244,22 +247,22 @@ def _backward_input_call(params: _Params, batching: _Batching, shape: tuple[int,
         return nbytes
 
     return _ffi.call_with_cuda_scratch("jk_roi_align_bwd_input", result, dout, boxes,
-                                       scratch_bytes=scratch_bytes, **attrs)
+                                       scratch_bytes=scratch_bytes,
+                                       **_ffi_attributes(attrs, batching))
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_input(params: _Params, batching: _Batching, shape: tuple[int, ...],
-                    deterministic: bool):
+def _backward_input(attrs: _Attrs, batching: _Batching, shape: tuple[int, ...]):
     @jax.custom_batching.custom_vmap
     def backward_input(dout, boxes):
-        return _backward_input_call(params, batching, shape, deterministic, dout, boxes)
+        return _backward_input_call(attrs, batching, shape, dout, boxes)
 
     @backward_input.def_vmap
     def backward_input_rule(axis_size, in_batched, dout, boxes):
         dout_batched, boxes_batched = in_batched
         folded = batching.fold_images(_rows(boxes, boxes_batched), axis_size, shape[0])
         folded_shape = (axis_size * shape[0],) + shape[1:]
-        d_input = _backward_input(params, folded, folded_shape, deterministic)(
+        d_input = _backward_input(attrs, folded, folded_shape)(
             _fold_rows(dout, dout_batched, axis_size), _fold_rows(boxes, boxes_batched, axis_size))
         return d_input.reshape((axis_size,) + shape), True
 
@@ -270,11 +273,11 @@ def _backward_input(params: _Params, batching: _Batching, shape: tuple[int, ...]
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_boxes(params: _Params, batching: _Batching):
+def _backward_boxes(attrs: _Attrs, batching: _Batching):
     @jax.custom_batching.custom_vmap
     def backward_boxes(dout, input, boxes):
         return _ffi.call("jk_roi_align_bwd_boxes", jax.ShapeDtypeStruct(boxes.shape, boxes.dtype),
-                         dout, input, boxes, **_attrs(params, batching))
+                         dout, input, boxes, **_ffi_attributes(attrs, batching))
 
     @backward_boxes.def_vmap
     def backward_boxes_rule(axis_size, in_batched, dout, input, boxes):
@@ -284,7 +287,7 @@ def _backward_boxes(params: _Params, batching: _Batching):
         if input_batched:
             folded = batching.fold_images(rows, axis_size, input.shape[1])
             input = input.reshape((axis_size * input.shape[1],) + input.shape[2:])
-        d_boxes = _backward_boxes(params, folded)(_fold_rows(dout, dout_batched, axis_size), input,
+        d_boxes = _backward_boxes(attrs, folded)(_fold_rows(dout, dout_batched, axis_size), input,
                                                   _fold_rows(boxes, boxes_batched, axis_size))
         return d_boxes.reshape((axis_size, rows, 5)), True
 
@@ -294,24 +297,24 @@ def _backward_boxes(params: _Params, batching: _Batching):
 # --- differentiation --------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _roi_align(input, boxes, params: _Params, deterministic: bool):
-    return _forward(params, _Batching(input.shape[0]))(input, boxes)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _roi_align(input, boxes, attrs: _Attrs):
+    return _forward(attrs, _Batching(input.shape[0]))(input, boxes)
 
 
-def _roi_align_fwd(input, boxes, params, deterministic):
-    return _roi_align(input, boxes, params, deterministic), (input, boxes)
+def _roi_align_fwd(input, boxes, attrs):
+    return _roi_align(input, boxes, attrs), (input, boxes)
 
 
-def _roi_align_bwd(params, deterministic, residuals, dout):
+def _roi_align_bwd(attrs, residuals, dout):
     input, boxes = residuals
     batching = _Batching(input.shape[0])
-    d_input = _backward_input(params, batching, tuple(input.shape), deterministic)(dout, boxes)
-    d_boxes = _backward_boxes(params, batching)(dout, input, boxes)
+    d_input = _backward_input(attrs, batching, tuple(input.shape))(dout, boxes)
+    d_boxes = _backward_boxes(attrs, batching)(dout, input, boxes)
     return d_input, d_boxes
 
 
 _roi_align.defvjp(_roi_align_fwd, _roi_align_bwd)
 # Called through jit so that eager calls reuse compiled executables (the CUDA/CPU choice of the
 # backward would otherwise be traced and compiled anew on every eager gradient).
-_roi_align_jit = jax.jit(_roi_align, static_argnums=(2, 3))
+_roi_align_jit = jax.jit(_roi_align, static_argnums=(2,))

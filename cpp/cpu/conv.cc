@@ -501,41 +501,13 @@ void run_bias_gradient(const T* dy, T* db, int64_t batch, int64_t N, int64_t K, 
 
 // ---- Handlers -----------------------------------------------------------------------------------
 
-struct ConvAttributes {
-  int64_t stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w, groups;
-};
-
-// The problem of a pass from its tensors: `in` [N, C, H, W], `weight` [K, C/g, R, S] and `out`
-// [N, K, P, Q], all of one element type.
-ffi::Error read_problem(const char* op, const ffi::AnyBuffer& in, const ffi::AnyBuffer& weight,
-                        const ffi::AnyBuffer& out, const ConvAttributes& a, ConvProblem* p) {
-  if (in.dimensions().size() != 4 || weight.dimensions().size() != 4 ||
-      out.dimensions().size() != 4)
-    return ffi::Error::InvalidArgument(std::string(op) + ": expected 4-D operands");
-  if (in.element_type() != weight.element_type() || in.element_type() != out.element_type())
-    return ffi::Error::InvalidArgument(std::string(op) + ": operands differ in element type");
-  const int64_t* i = in.dimensions().begin();
-  const int64_t* w = weight.dimensions().begin();
-  const int64_t* o = out.dimensions().begin();
-  *p = make_conv_problem(i, w, o, a.stride_h, a.stride_w, a.pad_top, a.pad_left, a.dilation_h,
-                         a.dilation_w, a.groups);
-  if (const char* problem = conv_problem_error(i, w, o, *p))
-    return ffi::Error::InvalidArgument(std::string(op) + ": " + problem);
-  return ffi::Error::Success();
-}
-
 // `precision` selects TF32 on CUDA tensor cores only: the CPU always computes in full precision.
 ffi::Error conv2d_forward(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias,
-                          ffi::Result<ffi::AnyBuffer> y, int64_t stride_h, int64_t stride_w,
-                          int64_t pad_top, int64_t pad_left, int64_t dilation_h,
-                          int64_t dilation_w, int64_t groups, int64_t /*precision*/) {
-  const ConvAttributes a{stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w, groups};
-  ConvProblem p;
-  if (auto error = read_problem("conv2d", x, w, *y, a, &p); error.failure()) return error;
+                          ffi::Result<ffi::AnyBuffer> y, ConvAttrs a) {
+  ConvProblem p{};
+  if (auto error = conv2d_problem("conv2d", a, x, w, *y, &p); error.failure()) return error;
+  if (auto error = conv2d_bias_check(bias, x, p.K); error.failure()) return error;
   const bool has_bias = bias.element_count() > 0;
-  if (bias.dimensions().size() != 1 || (has_bias && int64_t(bias.element_count()) != p.K) ||
-      (has_bias && bias.element_type() != x.element_type()))
-    return ffi::Error::InvalidArgument("conv2d: bias must be [K] or empty, of the input's type");
   if (y->element_count() == 0) return ffi::Error::Success();
   return dispatch_float(x.element_type(), "conv2d", [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -549,13 +521,9 @@ ffi::Error conv2d_forward(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bia
 }
 
 ffi::Error conv2d_backward_input(ffi::AnyBuffer dy, ffi::AnyBuffer w,
-                                 ffi::Result<ffi::AnyBuffer> dx, int64_t stride_h,
-                                 int64_t stride_w, int64_t pad_top, int64_t pad_left,
-                                 int64_t dilation_h, int64_t dilation_w, int64_t groups,
-                                 int64_t /*precision*/) {
-  const ConvAttributes a{stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w, groups};
-  ConvProblem p;
-  if (auto error = read_problem("conv2d dgrad", *dx, w, dy, a, &p); error.failure()) return error;
+                                 ffi::Result<ffi::AnyBuffer> dx, ConvAttrs a) {
+  ConvProblem p{};
+  if (auto error = conv2d_problem("conv2d dgrad", a, *dx, w, dy, &p); error.failure()) return error;
   if (dx->element_count() == 0) return ffi::Error::Success();
   return dispatch_float(dy.element_type(), "conv2d dgrad", [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -569,13 +537,9 @@ ffi::Error conv2d_backward_input(ffi::AnyBuffer dy, ffi::AnyBuffer w,
 }
 
 ffi::Error conv2d_backward_weight(ffi::AnyBuffer dy, ffi::AnyBuffer x,
-                                  ffi::Result<ffi::AnyBuffer> dw, int64_t stride_h,
-                                  int64_t stride_w, int64_t pad_top, int64_t pad_left,
-                                  int64_t dilation_h, int64_t dilation_w, int64_t groups,
-                                  int64_t /*precision*/) {
-  const ConvAttributes a{stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w, groups};
-  ConvProblem p;
-  if (auto error = read_problem("conv2d wgrad", x, *dw, dy, a, &p); error.failure()) return error;
+                                  ffi::Result<ffi::AnyBuffer> dw, ConvAttrs a) {
+  ConvProblem p{};
+  if (auto error = conv2d_problem("conv2d wgrad", a, x, *dw, dy, &p); error.failure()) return error;
   if (dw->element_count() == 0) return ffi::Error::Success();
   return dispatch_float(dy.element_type(), "conv2d wgrad", [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -588,47 +552,44 @@ ffi::Error conv2d_backward_weight(ffi::AnyBuffer dy, ffi::AnyBuffer x,
 
 // dy [N, K, P, Q] -> db [K], or [B, N, K, P, Q] -> [B, K] (a vmapped batch).
 ffi::Error conv2d_backward_bias(ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> db) {
-  const auto d = dy.dimensions();
-  const size_t rank = d.size();
-  if ((rank != 4 && rank != 5) || db->dimensions().size() != rank - 3 ||
-      db->dimensions().back() != d[rank - 3] || (rank == 5 && db->dimensions()[0] != d[0]) ||
-      db->element_type() != dy.element_type())
-    return ffi::Error::InvalidArgument(
-        "conv2d bias gradient: expected dy [(B,) N, K, P, Q] and db [(B,) K]");
+  int64_t batch, N, K, plane;
+  if (auto error = conv2d_bias_gradient_shape(dy, *db, &batch, &N, &K, &plane); error.failure())
+    return error;
   if (db->element_count() == 0) return ffi::Error::Success();
-  const int64_t batch = rank == 5 ? d[0] : 1;
   return dispatch_float(dy.element_type(), "conv2d bias gradient", [&](auto tag) {
     using T = typename decltype(tag)::type;
     run_bias_gradient(static_cast<const T*>(dy.untyped_data()), static_cast<T*>(db->untyped_data()),
-                      batch, d[rank - 4], d[rank - 3], d[rank - 2] * d[rank - 1]);
+                      batch, N, K, plane);
     return ffi::Error::Success();
   });
 }
 
 }  // namespace
+}  // namespace jax_kernels
 
-// The static attributes of the convolution targets, in the handlers' parameter order.
-#define JK_CONV2D_ATTRIBUTES                                                             \
-  .Attr<int64_t>("stride_h").Attr<int64_t>("stride_w").Attr<int64_t>("pad_top")        \
-      .Attr<int64_t>("pad_left").Attr<int64_t>("dilation_h").Attr<int64_t>("dilation_w") \
-      .Attr<int64_t>("groups").Attr<int64_t>("precision")
+JK_CONV2D_REGISTER_ATTRS();
+
+namespace jax_kernels {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Conv2dForwardCpu, conv2d_forward,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>() JK_CONV2D_ATTRIBUTES);
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attrs<ConvAttrs>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Conv2dBackwardInputCpu, conv2d_backward_input,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>() JK_CONV2D_ATTRIBUTES);
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attrs<ConvAttrs>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Conv2dBackwardWeightCpu, conv2d_backward_weight,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>() JK_CONV2D_ATTRIBUTES);
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attrs<ConvAttrs>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Conv2dBackwardBiasCpu, conv2d_backward_bias,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
 

@@ -227,13 +227,11 @@ void backward_input(const GridSampleCall& call, const T* dout, const T* grid, T*
 
 
 ffi::Error grid_sample_forward(ffi::AnyBuffer input, ffi::AnyBuffer grid,
-                               ffi::Result<ffi::AnyBuffer> out, int64_t mode, int64_t padding,
-                               bool align_corners, ffi::Span<const int64_t> batch_maps) {
+                               ffi::Result<ffi::AnyBuffer> out, GridSampleAttrs attrs) {
   const char* op = "grid_sample";
   GridSampleCall call;
   if (auto error = decode_grid_sample_call(op, GridSamplePass::kForward, {&input, &grid},
-                                          *out, mode, padding, align_corners,
-                                          batch_maps, &call);
+                                          *out, attrs, &call);
       error.failure())
     return error;
   const GridSampleGeometry& g = call.geometry;
@@ -252,14 +250,11 @@ ffi::Error grid_sample_forward(ffi::AnyBuffer input, ffi::AnyBuffer grid,
 // The scratch result exists for the CUDA deterministic path; on the CPU it is empty.
 ffi::Error grid_sample_backward_input(ffi::AnyBuffer dout, ffi::AnyBuffer grid,
                                       ffi::Result<ffi::AnyBuffer> d_input,
-                                      ffi::Result<ffi::AnyBuffer> /*scratch*/, int64_t mode,
-                                      int64_t padding, bool align_corners,
-                                      ffi::Span<const int64_t> batch_maps, bool /*deterministic*/) {
+                                      ffi::Result<ffi::AnyBuffer> /*scratch*/, GridSampleAttrs attrs) {
   const char* op = "grid_sample backward d_input";
   GridSampleCall call;
   if (auto error = decode_grid_sample_call(op, GridSamplePass::kBackwardInput, {&dout, &grid},
-                                          *d_input, mode, padding, align_corners,
-                                          batch_maps, &call);
+                                          *d_input, attrs, &call);
       error.failure())
     return error;
   const GridSampleGeometry& g = call.geometry;
@@ -277,13 +272,11 @@ ffi::Error grid_sample_backward_input(ffi::AnyBuffer dout, ffi::AnyBuffer grid,
 
 ffi::Error grid_sample_backward_grid(ffi::AnyBuffer dout, ffi::AnyBuffer input,
                                      ffi::AnyBuffer grid, ffi::Result<ffi::AnyBuffer> d_grid,
-                                     int64_t mode, int64_t padding, bool align_corners,
-                                     ffi::Span<const int64_t> batch_maps) {
+                                     GridSampleAttrs attrs) {
   const char* op = "grid_sample backward d_grid";
   GridSampleCall call;
   if (auto error = decode_grid_sample_call(op, GridSamplePass::kBackwardGrid,
-                                          {&dout, &input, &grid}, *d_grid, mode, padding,
-                                          align_corners, batch_maps, &call);
+                                          {&dout, &input, &grid}, *d_grid, attrs, &call);
       error.failure())
     return error;
   const GridSampleGeometry& g = call.geometry;
@@ -301,37 +294,32 @@ ffi::Error grid_sample_backward_grid(ffi::AnyBuffer dout, ffi::AnyBuffer input,
 }
 
 }  // namespace
+}  // namespace jax_kernels
+
+JK_GRID_SAMPLE_REGISTER_ATTRS();
+
+namespace jax_kernels {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleForwardCpu, grid_sample_forward,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("mode")
-                                  .Attr<int64_t>("padding")
-                                  .Attr<bool>("align_corners")
-                                  .Attr<ffi::Span<const int64_t>>("batch_maps"));
+                                  .Attrs<GridSampleAttrs>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleBackwardInputCpu, grid_sample_backward_input,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("mode")
-                                  .Attr<int64_t>("padding")
-                                  .Attr<bool>("align_corners")
-                                  .Attr<ffi::Span<const int64_t>>("batch_maps")
-                                  .Attr<bool>("deterministic"));
+                                  .Attrs<GridSampleAttrs>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleBackwardGridCpu, grid_sample_backward_grid,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("mode")
-                                  .Attr<int64_t>("padding")
-                                  .Attr<bool>("align_corners")
-                                  .Attr<ffi::Span<const int64_t>>("batch_maps"));
+                                  .Attrs<GridSampleAttrs>());
 
 JK_REGISTER_TARGET("jk_grid_sample_fwd", GridSampleForwardCpu, "grid_sample", "forward",
                    "cpu tiled gather", "bitwise");

@@ -238,10 +238,6 @@ JK_REGISTER_TARGET("jk_roi_align_fwd", RoiAlignForwardCpu, "roi_align", "forward
                    "cpu per-bin samples reused over channels", "bitwise");
 JK_REGISTER_TARGET("jk_roi_align_bwd_input", RoiAlignBackwardInputCpu, "roi_align",
                    "backward d_input", "cpu row-list gather (boxes in order)", "bitwise");
-// The CUDA atomic path's name, for the same targets on every platform: the CPU has no atomics.
-JK_REGISTER_TARGET("jk_roi_align_bwd_input_atomic", RoiAlignBackwardInputCpu, "roi_align",
-                   "backward d_input (deterministic=False)", "cpu row-list gather (boxes in order)",
-                   "bitwise");
 JK_REGISTER_TARGET("jk_roi_align_bwd_boxes", RoiAlignBackwardBoxesCpu, "roi_align",
                    "backward d_boxes", "cpu per-box reduction (float64)", "bitwise");
 

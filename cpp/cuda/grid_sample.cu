@@ -15,8 +15,6 @@
 // "grid_sample_bwd_input_scratch".
 //
 // d_input with deterministic=False (float32/float64): atomicAdd of each tap's contribution.
-#include <cub/device/device_radix_sort.cuh>
-
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
@@ -24,7 +22,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "jax_kernels/cuda_util.h"
+#include "common/launch.h"
+#include "common/radix_sort.cuh"
+#include "common/scratch.h"
+#include "common/status.h"
 #include "jax_kernels/ffi_util.h"
 #include "jax_kernels/grid_sample.h"
 
@@ -216,46 +217,18 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- backward d_input, deterministic: sort entries by cell, then gather -------------------------
 
-// Where the sorted path keeps its arrays in the scratch buffer. Entries are (tap, point) pairs,
-// tap-major: entry e = t * total_points + q. Keys are cells m * cells + offset, or the sentinel
-// batch * cells for a tap outside the input. Narrow problems use 32-bit keys and indices.
+// Where the sorted path keeps its arrays in the scratch buffer (offsets from its aligned base).
+// Entries are (tap, point) pairs, tap-major: entry e = t * total_points + q. Keys are cells
+// m * cells + offset, or the sentinel batch * cells for a tap outside the input. Narrow problems
+// use 32-bit keys and indices.
 struct SortedLayout {
   bool narrow = true;
-  int key_bytes = 4;
   int64_t entries = 0;
   int64_t sentinel = 0;
   int end_bit = 0;
-  size_t keys[2], values[2], weights, sorted_weights, starts, ends, cub_temp, cub_temp_bytes;
-  size_t total = 0;  // bytes, including slack to align the base
+  int64_t keys[2], values[2], weights, sorted_weights, starts, ends, sort_temp, sort_temp_bytes;
+  int64_t total = 0;  // bytes to ask for
 };
-
-constexpr size_t kAlign = 256;
-
-size_t align_up(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
-
-int bit_width(uint64_t v) {
-  int bits = 0;
-  while (v != 0) {
-    ++bits;
-    v >>= 1;
-  }
-  return bits;
-}
-
-// An upper bound of the temporary storage of cub::DeviceRadixSort::SortPairs with DoubleBuffers
-// (the onesweep algorithm, which CUB uses for 32- and 64-bit keys from sm_60 on): per-pass
-// digit counts per portion, look-back state per tile and counters. The bound assumes tiles of
-// at least 512 items, at most 256 digits and at least 4 bits per pass, all well below what
-// CUB's policies use. It lets the query run on a machine without a GPU; the handler checks it
-// against CUB's own figure before sorting.
-size_t cub_temp_bound(int64_t items, int end_bit) {
-  const int64_t portion = int64_t{1} << 27;
-  const int64_t portions = (items + portion - 1) / portion;
-  const int64_t passes = (end_bit + 3) / 4;
-  const int64_t tiles = (std::min<int64_t>(items, int64_t{1} << 28) + 511) / 512;
-  return align_up(size_t(portions * passes * 256 * 8)) + align_up(size_t(tiles * 256 * 4)) +
-         align_up(size_t(portions * passes * 4)) + 8 * kAlign;
-}
 
 SortedLayout sorted_layout(int64_t batch, int64_t points, int64_t taps, int64_t cells,
                            int acc_bytes) {
@@ -263,38 +236,42 @@ SortedLayout sorted_layout(int64_t batch, int64_t points, int64_t taps, int64_t 
   l.entries = batch * points * taps;
   l.sentinel = batch * cells;
   l.narrow = l.entries < (int64_t{1} << 31) && l.sentinel < (int64_t{1} << 31);
-  l.key_bytes = l.narrow ? 4 : 8;
-  l.end_bit = bit_width(uint64_t(l.sentinel));
-  size_t at = 0;
-  const auto take = [&](size_t bytes) {
-    const size_t offset = at;
-    at += align_up(bytes);
-    return offset;
-  };
-  const size_t entry_keys = size_t(l.entries) * l.key_bytes;
-  l.keys[0] = take(entry_keys);
-  l.keys[1] = take(entry_keys);
-  l.values[0] = take(entry_keys);
-  l.values[1] = take(entry_keys);
-  l.weights = take(size_t(l.entries) * acc_bytes);
-  l.sorted_weights = take(size_t(l.entries) * acc_bytes);
-  l.starts = take(size_t(l.sentinel) * l.key_bytes);
-  l.ends = take(size_t(l.sentinel) * l.key_bytes);
-  l.cub_temp_bytes = cub_temp_bound(l.entries, l.end_bit);
-  l.cub_temp = take(l.cub_temp_bytes);
-  l.total = at + kAlign;
+  const int64_t key_bytes = l.narrow ? 4 : 8;
+  l.end_bit = key_bits(uint64_t(l.sentinel));
+  ScratchLayout layout;
+  l.keys[0] = layout.take(l.entries * key_bytes);
+  l.keys[1] = layout.take(l.entries * key_bytes);
+  l.values[0] = layout.take(l.entries * key_bytes);
+  l.values[1] = layout.take(l.entries * key_bytes);
+  l.weights = layout.take(l.entries * acc_bytes);
+  l.sorted_weights = layout.take(l.entries * acc_bytes);
+  l.starts = layout.take(l.sentinel * key_bytes);
+  l.ends = layout.take(l.sentinel * key_bytes);
+  l.sort_temp_bytes = radix_sort_temp_bound(l.entries, l.end_bit);
+  l.sort_temp = layout.take(l.sort_temp_bytes);
+  l.total = layout.total();
   return l;
 }
 
-// Host query: (batch, points, taps, cells, element bytes, deterministic) -> scratch bytes of
-// the d_input pass. Half types and deterministic=True take the sorted path.
-int64_t backward_input_scratch_query(const std::vector<int64_t>& a) {
-  if (a.size() != 6) return -1;
-  const int64_t batch = a[0], points = a[1], taps = a[2], cells = a[3], element_bytes = a[4];
-  const bool deterministic = a[5] != 0;
+// Taps per point of a sampling mode: nearest 1, bilinear 4 (2-D) or 8 (3-D), bicubic 16.
+int taps_per_point(GridSampleMode mode, int64_t dims) {
+  if (mode == GridSampleMode::kNearest) return 1;
+  if (mode == GridSampleMode::kBilinear) return dims == 2 ? 4 : 8;
+  return 16;
+}
+
+// Host query "grid_sample_bwd_input_scratch": the scratch bytes of the d_input pass. Arguments:
+// `batch` (output batch rows), `points` per row, `cells` per input plane, `dims` (2 or 3),
+// `mode` (GridSampleMode), `element_bytes` and `deterministic`. The half types and
+// deterministic=True take the sorted path; the atomic path needs none.
+int64_t backward_input_scratch_query(const QueryArgs& a) {
+  const int64_t batch = a["batch"], points = a["points"], cells = a["cells"];
+  const int64_t taps = taps_per_point(GridSampleMode(a["mode"]), a["dims"]);
+  const int64_t element_bytes = a["element_bytes"];
+  const bool deterministic = a["deterministic"] != 0;
   if (!(deterministic || element_bytes == 2)) return 0;
   if (batch * points * taps == 0 || cells == 0) return 0;
-  return int64_t(sorted_layout(batch, points, taps, cells, element_bytes == 8 ? 8 : 4).total);
+  return sorted_layout(batch, points, taps, cells, element_bytes == 8 ? 8 : 4).total;
 }
 
 template <class T, class Key, class Index, GridSampleMode kMode, int kDims>
@@ -404,22 +381,12 @@ void with_index(bool narrow, F&& f) {
   }
 }
 
-// The error of a CUDA or CUB call that returned `status` (CUB may fail without setting CUDA's
-// last error, so the status itself is what counts).
-ffi::Error call_status(const char* op, cudaError_t status) {
-  if (status == cudaSuccess) return ffi::Error::Success();
-  cudaGetLastError();  // clear it, if it was set
-  return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(status));
-}
-
 ffi::Error grid_sample_forward(cudaStream_t stream, ffi::AnyBuffer input, ffi::AnyBuffer grid,
-                               ffi::Result<ffi::AnyBuffer> out, int64_t mode, int64_t padding,
-                               bool align_corners, ffi::Span<const int64_t> batch_maps) {
+                               ffi::Result<ffi::AnyBuffer> out, GridSampleAttrs attrs) {
   const char* op = "grid_sample";
   GridSampleCall call;
   if (auto error = decode_grid_sample_call(op, GridSamplePass::kForward, {&input, &grid},
-                                          *out, mode, padding, align_corners,
-                                          batch_maps, &call);
+                                          *out, attrs, &call);
       error.failure())
     return error;
   const GridSampleGeometry& g = call.geometry;
@@ -444,19 +411,17 @@ ffi::Error grid_sample_forward(cudaStream_t stream, ffi::AnyBuffer input, ffi::A
 
 ffi::Error grid_sample_backward_grid(cudaStream_t stream, ffi::AnyBuffer dout, ffi::AnyBuffer input,
                                      ffi::AnyBuffer grid, ffi::Result<ffi::AnyBuffer> d_grid,
-                                     int64_t mode, int64_t padding, bool align_corners,
-                                     ffi::Span<const int64_t> batch_maps) {
+                                     GridSampleAttrs attrs) {
   const char* op = "grid_sample backward d_grid";
   GridSampleCall call;
   if (auto error = decode_grid_sample_call(op, GridSamplePass::kBackwardGrid,
-                                          {&dout, &input, &grid}, *d_grid, mode, padding,
-                                          align_corners, batch_maps, &call);
+                                          {&dout, &input, &grid}, *d_grid, attrs, &call);
       error.failure())
     return error;
   const GridSampleGeometry& g = call.geometry;
   if (g.batch * g.points == 0) return ffi::Error::Success();
   if (g.channels == 0)  // nothing to add: the gradient is zero
-    return call_status(op,
+    return cuda_status(op,
                        cudaMemsetAsync(d_grid->untyped_data(), 0, d_grid->size_bytes(), stream));
   const bool narrow = fits_32_bits(call, {int64_t(dout.element_count()),
                                           int64_t(input.element_count()),
@@ -504,28 +469,13 @@ ffi::Error backward_input_sorted(cudaStream_t stream, const GridSampleCall& call
 
   cub::DoubleBuffer<Key> key_buffers(keys[0], keys[1]);
   cub::DoubleBuffer<Key> value_buffers(values[0], values[1]);
-  using Items = std::conditional_t<sizeof(Key) == 4, int, int64_t>;
-  size_t needed = 0;
-  if (auto error = call_status(op, cub::DeviceRadixSort::SortPairs(nullptr, needed, key_buffers,
-                                                                    value_buffers, Items(l.entries),
-                                                                    0, l.end_bit, stream));
-      error.failure())
-    return error;
-  if (needed > l.cub_temp_bytes)
-    return ffi::Error::Internal(std::string(op) + ": CUB needs " + std::to_string(needed) +
-                                " bytes of temporary storage, above the bound of " +
-                                std::to_string(l.cub_temp_bytes) +
-                                " (cub_temp_bound is out of date)");
-  size_t available = l.cub_temp_bytes;
-  if (auto error = call_status(op, cub::DeviceRadixSort::SortPairs(scratch + l.cub_temp, available,
-                                                                    key_buffers, value_buffers,
-                                                                    Items(l.entries), 0, l.end_bit,
-                                                                    stream));
+  if (auto error = radix_sort_pairs(op, key_buffers, value_buffers, l.entries, l.end_bit,
+                                    scratch + l.sort_temp, l.sort_temp_bytes, stream);
       error.failure())
     return error;
   const size_t bounds_bytes = size_t(l.sentinel) * sizeof(Key);
   for (Key* bounds : {starts, ends})
-    if (auto error = call_status(op, cudaMemsetAsync(bounds, 0, bounds_bytes, stream));
+    if (auto error = cuda_status(op, cudaMemsetAsync(bounds, 0, bounds_bytes, stream));
         error.failure())
       return error;
   Key* sorted_points = value_buffers.Alternate();
@@ -555,20 +505,17 @@ ffi::Error backward_input_sorted(cudaStream_t stream, const GridSampleCall& call
 
 ffi::Error grid_sample_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, ffi::AnyBuffer grid,
                                       ffi::Result<ffi::AnyBuffer> d_input,
-                                      ffi::Result<ffi::AnyBuffer> scratch, int64_t mode,
-                                      int64_t padding, bool align_corners,
-                                      ffi::Span<const int64_t> batch_maps, bool deterministic) {
+                                      ffi::Result<ffi::AnyBuffer> scratch, GridSampleAttrs attrs) {
   const char* op = "grid_sample backward d_input";
   GridSampleCall call;
   if (auto error = decode_grid_sample_call(op, GridSamplePass::kBackwardInput, {&dout, &grid},
-                                          *d_input, mode, padding, align_corners,
-                                          batch_maps, &call);
+                                          *d_input, attrs, &call);
       error.failure())
     return error;
   const GridSampleGeometry& g = call.geometry;
   if (g.batch * g.channels == 0) return ffi::Error::Success();
   if (g.points == 0)  // no point touches the input
-    return call_status(op,
+    return cuda_status(op,
                        cudaMemsetAsync(d_input->untyped_data(), 0, d_input->size_bytes(), stream));
   const bool narrow_index =
       fits_32_bits(call, {int64_t(dout.element_count()), int64_t(grid.element_count())});
@@ -577,8 +524,8 @@ ffi::Error grid_sample_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, 
     using A = acc_t<T>;
     ffi::Error result = ffi::Error::Success();
     if constexpr (std::is_same_v<A, T>) {
-      if (!deterministic) {
-        if (auto error = call_status(op, cudaMemsetAsync(d_input->untyped_data(), 0,
+      if (!attrs.deterministic) {
+        if (auto error = cuda_status(op, cudaMemsetAsync(d_input->untyped_data(), 0,
                                                          d_input->size_bytes(), stream));
             error.failure())
           return error;
@@ -596,16 +543,13 @@ ffi::Error grid_sample_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, 
         return launch_status(op);
       }
     }
-    const int taps = call.mode == GridSampleMode::kNearest ? 1
-                     : call.mode == GridSampleMode::kBilinear ? (g.dims == 2 ? 4 : 8)
-                                                              : 16;
+    const int taps = taps_per_point(call.mode, g.dims);
     const SortedLayout layout = sorted_layout(g.batch, g.points, taps, g.cells, int(sizeof(A)));
-    if (scratch->size_bytes() < layout.total)
+    if (int64_t(scratch->size_bytes()) < layout.total)
       return ffi::Error::InvalidArgument(std::string(op) + ": scratch of " +
                                          std::to_string(scratch->size_bytes()) + " bytes, need " +
                                          std::to_string(layout.total));
-    const uintptr_t base = reinterpret_cast<uintptr_t>(scratch->untyped_data());
-    char* aligned = reinterpret_cast<char*>((base + kAlign - 1) / kAlign * kAlign);
+    char* aligned = aligned_scratch(scratch->untyped_data());
     dispatch_grid_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
       constexpr GridSampleMode kMode = decltype(mode_c)::value;
       constexpr int kDims = decltype(dims_c)::value;
@@ -630,6 +574,11 @@ ffi::Error grid_sample_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, 
 using Stream = ffi::PlatformStream<cudaStream_t>;
 
 }  // namespace
+}  // namespace jax_kernels
+
+JK_GRID_SAMPLE_REGISTER_ATTRS();
+
+namespace jax_kernels {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleForwardCuda, grid_sample_forward,
                               ffi::Ffi::Bind()
@@ -637,10 +586,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleForwardCuda, grid_sample_forward,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("mode")
-                                  .Attr<int64_t>("padding")
-                                  .Attr<bool>("align_corners")
-                                  .Attr<ffi::Span<const int64_t>>("batch_maps"),
+                                  .Attrs<GridSampleAttrs>(),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleBackwardInputCuda, grid_sample_backward_input,
                               ffi::Ffi::Bind()
@@ -649,11 +595,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleBackwardInputCuda, grid_sample_backward_
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("mode")
-                                  .Attr<int64_t>("padding")
-                                  .Attr<bool>("align_corners")
-                                  .Attr<ffi::Span<const int64_t>>("batch_maps")
-                                  .Attr<bool>("deterministic"),
+                                  .Attrs<GridSampleAttrs>(),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleBackwardGridCuda, grid_sample_backward_grid,
                               ffi::Ffi::Bind()
@@ -662,10 +604,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleBackwardGridCuda, grid_sample_backward_g
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("mode")
-                                  .Attr<int64_t>("padding")
-                                  .Attr<bool>("align_corners")
-                                  .Attr<ffi::Span<const int64_t>>("batch_maps"),
+                                  .Attrs<GridSampleAttrs>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 JK_REGISTER_TARGET("jk_grid_sample_fwd", GridSampleForwardCuda, "grid_sample", "forward",

@@ -7,7 +7,8 @@
 #include <cstdint>
 #include <string>
 
-#include "jax_kernels/cuda_util.h"
+#include "common/launch.h"
+#include "common/status.h"
 #include "jax_kernels/ffi_util.h"
 #include "jax_kernels/repeat.h"
 

@@ -33,7 +33,6 @@
 //
 // Input gradient, deterministic=False (float32/float64 only): per (box, bin, 16 channels), the
 // samples' weight * dout added with atomicAdd.
-#include <cub/device/device_radix_sort.cuh>
 
 #include <algorithm>
 #include <cstdint>
@@ -41,7 +40,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "jax_kernels/cuda_util.h"
+#include "common/launch.h"
+#include "common/radix_sort.cuh"
+#include "common/scratch.h"
+#include "common/status.h"
 #include "jax_kernels/ffi_util.h"
 #include "jax_kernels/roi_align.h"
 
@@ -63,9 +65,7 @@ constexpr int64_t slab_channels() {
 }
 constexpr int64_t kForwardTileBytes = 24 << 10;  // shared memory of a forward block's outputs
 constexpr int64_t kGatherTileBytes = 48 << 10;   // and of a gather block's
-constexpr int64_t kAlign = 256;
-
-int64_t aligned_size(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+constexpr int64_t kSharedAlign = 256;  // alignment of the regions of a block's shared memory
 
 // ---- channel slabs ---------------------------------------------------------------------------
 
@@ -234,7 +234,7 @@ ForwardLaunch forward_launch(const RoiAlignProblem& p) {
     l.tiles = p.PH * l.row_tiles;
   }
   l.tile_stride = (l.tile_rows * l.tile_cols) | 1;  // odd: a group's lanes store to distinct banks
-  l.ranges_at = aligned_size(l.slabs.slab * l.tile_stride * int64_t(sizeof(T)));
+  l.ranges_at = round_up(l.slabs.slab * l.tile_stride * int64_t(sizeof(T)), kSharedAlign);
   l.shared_bytes = l.ranges_at + (l.tile_rows + l.tile_cols) * int64_t(sizeof(CandidateRange));
   return l;
 }
@@ -436,40 +436,27 @@ int64_t axis_pair_capacity(int64_t bins, int64_t extent, int64_t sampling_ratio)
   return std::min(bins * extent, 2 * samples);
 }
 
-// An upper bound of the temporary storage of CUB's onesweep radix sort of `items` 32-bit keys
-// with 32-bit values over at most 32 bits, computed without a device (the handler checks it
-// against CUB's own figure): per portion of up to 2^28 items, 4 passes of 256-bin histograms
-// (8-byte offsets) and counters; lookback state of 256 counters per tile of at least 1024 items
-// (CUB's tiles have 384 x 17 or more); 256-byte alignment of each of its 5 allocations.
-int64_t cub_sort_bytes_bound(int64_t items) {
-  const int64_t portions = items / (int64_t(1) << 27) + 1;
-  return portions * (4 * 256 * 8 + 4 * 4) + (items / 1024 + 1) * 256 * 4 + 6 * 256;
-}
-
 // The forward's scratch: the NHWC staging of the input, then the sort of the boxes by image and
 // center row (keys, values, CUB temp storage).
 struct ForwardLayout {
-  int64_t nhwc = 0, keys_in = 0, keys_out = 0, values_in = 0, values_out = 0, cub = 0,
-          cub_bytes = 0, total = 0;
+  int64_t nhwc = 0, keys_in = 0, keys_out = 0, values_in = 0, values_out = 0, sort_temp = 0,
+          sort_temp_bytes = 0, total = 0;
+  int end_bit = 0;
 };
 
 bool forward_layout(int64_t N, int64_t C, int64_t H, int64_t W, int64_t K, int64_t element_bytes,
                     ForwardLayout* s) {
   if (K >= (int64_t(1) << 31) || N * H >= (int64_t(1) << 32) - 1) return false;
-  int64_t at = 0;
-  auto take = [&](int64_t bytes) {
-    const int64_t offset = at;
-    at += aligned_size(bytes);
-    return offset;
-  };
-  s->nhwc = take(N * C * H * W * element_bytes);
-  s->keys_in = take(K * 4);
-  s->keys_out = take(K * 4);
-  s->values_in = take(K * 4);
-  s->values_out = take(K * 4);
-  s->cub_bytes = aligned_size(cub_sort_bytes_bound(K));
-  s->cub = take(s->cub_bytes);
-  s->total = at;
+  ScratchLayout layout;
+  s->nhwc = layout.take(N * C * H * W * element_bytes);
+  s->keys_in = layout.take(K * 4);
+  s->keys_out = layout.take(K * 4);
+  s->values_in = layout.take(K * 4);
+  s->values_out = layout.take(K * 4);
+  s->end_bit = key_bits(uint64_t(N * H));  // keys in [0, N * H]
+  s->sort_temp_bytes = radix_sort_temp_bound(K, s->end_bit);
+  s->sort_temp = layout.take(s->sort_temp_bytes);
+  s->total = layout.total();
   return true;
 }
 
@@ -491,39 +478,14 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-ffi::Error cuda_status(const char* op, cudaError_t status) {
-  if (status == cudaSuccess) return ffi::Error::Success();
-  cudaGetLastError();  // clear it, if it was set
-  return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(status));
-}
-
-// Stable radix sort (CUB) of `count` (key, value) pairs with keys in [0, max_key], in temporary
-// storage of temp_bytes; the result is in keys.Current() and values.Current().
-ffi::Error sort_pairs(const char* op, cub::DoubleBuffer<uint32_t>& keys,
-                      cub::DoubleBuffer<uint32_t>& values, int64_t count, int64_t max_key,
-                      char* temp, int64_t temp_bytes, cudaStream_t stream) {
-  int end_bit = 1;
-  while (end_bit < 32 && (int64_t(1) << end_bit) <= max_key) ++end_bit;
-  size_t needed = 0;
-  if (auto err = cuda_status(op, cub::DeviceRadixSort::SortPairs(nullptr, needed, keys, values,
-                                                                  int(count), 0, end_bit, stream));
-      err.failure())
-    return err;
-  if (int64_t(needed) > temp_bytes)
-    return ffi::Error::Internal(std::string(op) + ": CUB needs " + std::to_string(needed) +
-                                " bytes of sort scratch, above the bound of " +
-                                std::to_string(temp_bytes));
-  return cuda_status(op, cub::DeviceRadixSort::SortPairs(temp, needed, keys, values, int(count), 0,
-                                                         end_bit, stream));
-}
-
 // Where each piece of the deterministic backward lives in the scratch buffer.
 struct GatherLayout {
   int64_t row_capacity = 0, column_capacity = 0;  // entries per box
   int64_t entries = 0;                            // K * row_capacity
   int64_t dout = 0, keys_in = 0, keys_out = 0, values_in = 0, values_out = 0, rows = 0,
-          sorted_rows = 0, column_offsets = 0, columns = 0, row_offsets = 0, cub = 0,
-          cub_bytes = 0, total = 0;
+          sorted_rows = 0, column_offsets = 0, columns = 0, row_offsets = 0, sort_temp = 0,
+          sort_temp_bytes = 0, total = 0;
+  int end_bit = 0;
 };
 
 // The layout of a problem with `element_bytes`-byte elements; false if its indices do not fit
@@ -540,42 +502,48 @@ bool gather_layout(int64_t N, int64_t C, int64_t H, int64_t W, int64_t K, int64_
   const bool wide = element_bytes == 8;  // float64: double weights
   const int64_t row_bytes = wide ? sizeof(RowEntry<double>) : sizeof(RowEntry<float>);
   const int64_t column_bytes = wide ? sizeof(ColumnEntry<double>) : sizeof(ColumnEntry<float>);
-  int64_t at = 0;
-  auto take = [&](int64_t bytes) {
-    const int64_t offset = at;
-    at += aligned_size(bytes);
-    return offset;
-  };
-  s->dout = take(K * C * PH * PW * element_bytes);
-  s->keys_in = take(s->entries * 4);
-  s->keys_out = take(s->entries * 4);
-  s->values_in = take(s->entries * 4);
-  s->values_out = take(s->entries * 4);
-  s->rows = take(s->entries * row_bytes);
-  s->sorted_rows = take(s->entries * row_bytes);
-  s->column_offsets = take(K * (W + 1) * 4);
-  s->columns = take(K * s->column_capacity * column_bytes);
-  s->row_offsets = take((N * H + 1) * 4);
-  s->cub_bytes = aligned_size(cub_sort_bytes_bound(s->entries));
-  s->cub = take(s->cub_bytes);
-  s->total = at;
+  ScratchLayout layout;
+  s->dout = layout.take(K * C * PH * PW * element_bytes);
+  s->keys_in = layout.take(s->entries * 4);
+  s->keys_out = layout.take(s->entries * 4);
+  s->values_in = layout.take(s->entries * 4);
+  s->values_out = layout.take(s->entries * 4);
+  s->rows = layout.take(s->entries * row_bytes);
+  s->sorted_rows = layout.take(s->entries * row_bytes);
+  s->column_offsets = layout.take(K * (W + 1) * 4);
+  s->columns = layout.take(K * s->column_capacity * column_bytes);
+  s->row_offsets = layout.take((N * H + 1) * 4);
+  s->end_bit = key_bits(uint64_t(N * H));  // keys in [0, N * H], N * H for no row
+  s->sort_temp_bytes = radix_sort_temp_bound(s->entries, s->end_bit);
+  s->sort_temp = layout.take(s->sort_temp_bytes);
+  s->total = layout.total();
   return true;
 }
 
-// Host query: (N, C, H, W, K, PH, PW, sampling_ratio, element bytes) of the folded call -> scratch
-// bytes, or -1 if unsupported.
-int64_t backward_input_scratch_query(const std::vector<int64_t>& a) {
-  if (a.size() != 9) return -1;
+// The d_input pass takes the atomic path: deterministic=False for float32/float64 (the half
+// types have no fast atomics and always take the sorted, ordered gather).
+bool atomic_backward_input(bool deterministic, int64_t element_bytes) {
+  return !deterministic && element_bytes >= 4;
+}
+
+// Host query "roi_align_backward_input_scratch": the scratch bytes of the d_input pass, or -1 if
+// its indices do not fit the 32-bit sort. Arguments: the folded call's N, C, H, W, `boxes` (K),
+// pooled_height, pooled_width, sampling_ratio, element_bytes and deterministic.
+int64_t backward_input_scratch_query(const QueryArgs& a) {
+  if (atomic_backward_input(a["deterministic"] != 0, a["element_bytes"])) return 0;
   GatherLayout s;
-  if (!gather_layout(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], &s)) return -1;
+  if (!gather_layout(a["N"], a["C"], a["H"], a["W"], a["boxes"], a["pooled_height"],
+                     a["pooled_width"], a["sampling_ratio"], a["element_bytes"], &s))
+    return -1;
   return s.total;
 }
 
-// Host query: (N, C, H, W, K, element bytes) -> bytes of the forward's scratch, or -1.
-int64_t forward_scratch_query(const std::vector<int64_t>& a) {
-  if (a.size() != 6) return -1;
+// Host query "roi_align_forward_scratch": the bytes of the forward's scratch, or -1 if the box
+// sort's keys do not fit 32 bits. Arguments: N, C, H, W, `boxes` (K) and element_bytes.
+int64_t forward_scratch_query(const QueryArgs& a) {
   ForwardLayout s;
-  if (!forward_layout(a[0], a[1], a[2], a[3], a[4], a[5], &s)) return -1;
+  if (!forward_layout(a["N"], a["C"], a["H"], a["W"], a["boxes"], a["element_bytes"], &s))
+    return -1;
   return s.total;
 }
 
@@ -726,7 +694,7 @@ GatherLaunch gather_launch(const RoiAlignProblem& p, int64_t column_capacity) {
   l.tile_cells = std::max(kMaxCellsPerGroup * groups, 16);
   for (;;) {
     l.tile_stride = l.tile_cells + 1;
-    l.entries_at = aligned_size(l.slabs.slab * l.tile_stride * int64_t(sizeof(T)));
+    l.entries_at = round_up(l.slabs.slab * l.tile_stride * int64_t(sizeof(T)), kSharedAlign);
     l.terms_at = l.entries_at + kGatherChunk * int64_t(sizeof(RowEntry<A>));
     l.shared_bytes = l.terms_at + kGatherChunk * l.tile_cells * int64_t(sizeof(CellTerm<A>));
     if (l.shared_bytes <= kGatherTileBytes || l.tile_cells == 1) break;
@@ -899,7 +867,7 @@ ffi::Error roi_align_forward(cudaStream_t stream, ffi::AnyBuffer input, ffi::Any
     return ffi::Error::InvalidArgument("roi_align: too many boxes or rows for the box sort");
   if (int64_t(scratch->size_bytes()) < layout.total)
     return ffi::Error::InvalidArgument("roi_align: scratch buffer smaller than the query's size");
-  char* base = static_cast<char*>(scratch->untyped_data());
+  char* base = aligned_scratch(scratch->untyped_data());
   return dispatch_float(input.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = typename decltype(tag)::type;
     const T* box_data = static_cast<const T*>(boxes.untyped_data());
@@ -912,8 +880,8 @@ ffi::Error roi_align_forward(cudaStream_t stream, ffi::AnyBuffer input, ffi::Any
     cub::DoubleBuffer<uint32_t> keys(keys_in, reinterpret_cast<uint32_t*>(base + layout.keys_out));
     cub::DoubleBuffer<uint32_t> order(values_in,
                                       reinterpret_cast<uint32_t*>(base + layout.values_out));
-    if (auto err = sort_pairs(op, keys, order, p.K, p.N * p.H, base + layout.cub, layout.cub_bytes,
-                              stream);
+    if (auto err = radix_sort_pairs(op, keys, order, p.K, layout.end_bit, base + layout.sort_temp,
+                                    layout.sort_temp_bytes, stream);
         err.failure())
       return err;
     const ForwardLaunch l = forward_launch<T>(p);
@@ -949,16 +917,14 @@ ffi::Error roi_align_backward_boxes(cudaStream_t stream, ffi::AnyBuffer dout, ff
   });
 }
 
-ffi::Error roi_align_backward_input_atomic(cudaStream_t stream, ffi::AnyBuffer dout,
-                                           ffi::AnyBuffer boxes, RoiAlignAttrs attrs,
-                                           ffi::Result<ffi::AnyBuffer> d_input) {
-  RoiAlignProblem p;
-  if (auto err = roi_align_problem("roi_align backward", attrs, *d_input, boxes, dout, &p);
+// d_input with deterministic=False, float32/float64: atomicAdd of each sample's contribution.
+ffi::Error backward_input_atomic(cudaStream_t stream, const RoiAlignProblem& p,
+                                 const ffi::AnyBuffer& dout, const ffi::AnyBuffer& boxes,
+                                 ffi::Result<ffi::AnyBuffer>& d_input) {
+  if (auto err = cuda_status("roi_align backward", cudaMemsetAsync(d_input->untyped_data(), 0,
+                                                                   d_input->size_bytes(), stream));
       err.failure())
     return err;
-  if (d_input->size_bytes() == 0) return ffi::Error::Success();
-  if (cudaMemsetAsync(d_input->untyped_data(), 0, d_input->size_bytes(), stream) != cudaSuccess)
-    return launch_status("roi_align backward");
   const int64_t items = p.K * channel_chunks(p) * p.bins();
   if (items == 0) return ffi::Error::Success();
   return dispatch_float(dout.element_type(), "roi_align backward", [&](auto tag) -> ffi::Error {
@@ -985,6 +951,8 @@ ffi::Error roi_align_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, ff
   if (auto err = roi_align_problem(op, attrs, *d_input, boxes, dout, &p); err.failure())
     return err;
   if (d_input->size_bytes() == 0) return ffi::Error::Success();
+  if (atomic_backward_input(attrs.deterministic, int64_t(ffi::ByteWidth(dout.element_type()))))
+    return backward_input_atomic(stream, p, dout, boxes, d_input);
   if (p.K == 0)
     return cuda_status(op, cudaMemsetAsync(d_input->untyped_data(), 0, d_input->size_bytes(),
                                            stream));
@@ -995,7 +963,7 @@ ffi::Error roi_align_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, ff
   if (int64_t(scratch->size_bytes()) < layout.total)
     return ffi::Error::InvalidArgument(
         "roi_align backward: scratch buffer smaller than the query's size");
-  char* base = static_cast<char*>(scratch->untyped_data());
+  char* base = aligned_scratch(scratch->untyped_data());
   uint32_t* keys_in = reinterpret_cast<uint32_t*>(base + layout.keys_in);
   uint32_t* keys_out = reinterpret_cast<uint32_t*>(base + layout.keys_out);
   uint32_t* values_in = reinterpret_cast<uint32_t*>(base + layout.values_in);
@@ -1018,8 +986,8 @@ ffi::Error roi_align_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, ff
     if (auto err = launch_status(op); err.failure()) return err;
 
     cub::DoubleBuffer<uint32_t> keys(keys_in, keys_out), values(values_in, values_out);
-    if (auto err = sort_pairs(op, keys, values, layout.entries, rows, base + layout.cub,
-                              layout.cub_bytes, stream);
+    if (auto err = radix_sort_pairs(op, keys, values, layout.entries, layout.end_bit,
+                                    base + layout.sort_temp, layout.sort_temp_bytes, stream);
         err.failure())
       return err;
 
@@ -1065,14 +1033,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignBackwardInputCuda, roi_align_backward_inpu
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>(),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignBackwardInputAtomicCuda, roi_align_backward_input_atomic,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Attrs<RoiAlignAttrs>()
-                                  .Ret<ffi::AnyBuffer>(),
-                              {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignBackwardBoxesCuda, roi_align_backward_boxes,
                               ffi::Ffi::Bind()
                                   .Ctx<Stream>()
@@ -1086,11 +1046,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignBackwardBoxesCuda, roi_align_backward_boxe
 JK_REGISTER_TARGET("jk_roi_align_fwd", RoiAlignForwardCuda, "roi_align", "forward",
                    "cuda NHWC staging + channel-slab gather", "bitwise");
 JK_REGISTER_TARGET("jk_roi_align_bwd_input", RoiAlignBackwardInputCuda, "roi_align",
-                   "backward d_input", "cuda row-entry sort (CUB) + channel-slab ordered gather",
-                   "bitwise");
-JK_REGISTER_TARGET("jk_roi_align_bwd_input_atomic", RoiAlignBackwardInputAtomicCuda, "roi_align",
-                   "backward d_input (deterministic=False)", "cuda atomicAdd (float32/float64)",
-                   "not bitwise (atomics)");
+                   "backward d_input",
+                   "cuda row-entry sort (CUB) + channel-slab ordered gather (atomics for "
+                   "float32/float64 if deterministic=False)",
+                   "bitwise (deterministic=True); atomics otherwise for float32/float64");
 JK_REGISTER_TARGET("jk_roi_align_bwd_boxes", RoiAlignBackwardBoxesCuda, "roi_align",
                    "backward d_boxes", "cuda per-box block reduction (float64)", "bitwise");
 JK_REGISTER_QUERY("roi_align_forward_scratch", forward_scratch_query);

@@ -1,5 +1,5 @@
-// Host-side CUDA helpers for the FFI handlers: error reporting after a launch and launch sizing
-// from the current device's multiprocessor count.
+// Launch sizing for the CUDA kernels, from the current device's multiprocessor count: grid-stride
+// grids, full grids, and persistent grids of as many blocks as stay resident.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -7,18 +7,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <string>
-
-#include "jax_kernels/ffi_util.h"
 
 namespace jax_kernels {
-
-// The launch status of the kernels just queued on the stream (never synchronizes).
-inline ffi::Error launch_status(const char* op) {
-  const cudaError_t error = cudaGetLastError();
-  if (error == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(error));
-}
 
 inline int multiprocessor_count() {
   static std::atomic<int> counts[64];
@@ -46,6 +36,16 @@ inline unsigned grid_blocks(int64_t items, int threads, int blocks_per_sm = 16) 
 inline unsigned full_grid_blocks(int64_t items, int threads) {
   const int64_t needed = (items + threads - 1) / threads;
   return unsigned(std::max<int64_t>(1, std::min<int64_t>(needed, 0x7fffffff)));
+}
+
+// Blocks of a persistent kernel (each block walks items b, b + gridDim.x, ...): as many as stay
+// resident, `blocks_per_sm` per multiprocessor, and no more than the items. Also lets `kernel`
+// take `shared` bytes of dynamic shared memory: with a kernel's static shared memory, even
+// 48 KiB of dynamic memory needs opting in.
+template <class Kernel>
+unsigned persistent_blocks(Kernel kernel, int blocks_per_sm, int64_t items, size_t shared) {
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
+  return unsigned(std::min<int64_t>(items, int64_t(multiprocessor_count()) * blocks_per_sm));
 }
 
 }  // namespace jax_kernels

@@ -1,13 +1,17 @@
 // conv2d geometry shared by every backend and pass (torch.nn.functional.conv2d semantics, NCHW
 // input, KCRS weight with C/groups input channels per filter, NKPQ output), host and device.
 //
-// The problem description and the host-query argument layout are the interface between the
-// direct kernels (cpu/conv.cc, cuda/conv.cu) and the tensor-core path (cuda/conv_dense.cu).
+// The problem description is the interface between the handlers of both backends (cpu/conv.cc,
+// cuda/conv/handlers.cu), the direct kernels and the tensor-core path (cuda/conv/implicit_gemm.h);
+// the FFI attributes at the end are the targets' attributes, shared by both backends.
 #pragma once
 
 #include <cstdint>
-#include <vector>
+#include <string>
 
+#include "jax_kernels/ffi_util.h"
+
+#include "jax_kernels/index_math.h"
 #include "jax_kernels/scalar.h"
 
 namespace jax_kernels {
@@ -34,14 +38,10 @@ enum class ConvPass : int64_t { kForward = 0, kBackwardData = 1, kBackwardWeight
 // float32 with precision="highest". Half types always accumulate in float32; float64 is exact.
 enum class ConvPrecision : int64_t { kDefault = 0, kHighest = 1 };
 
-// Element type codes used in host queries (Python maps dtypes to these).
+// Element type codes of the scratch query (Python passes them by name, module_util.h).
 enum class ConvDtype : int64_t { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2, kFloat64 = 3 };
 
-// Host query "conv2d_dense_scratch" takes these int64 arguments, in this order:
-//   pass, dtype, precision, N, C, H, W, K, R, S, P, Q, stride_h, stride_w, pad_top, pad_left,
-//   dilation_h, dilation_w, groups
-// and returns the scratch bytes the tensor-core path needs, or -1 if it does not take the
-// problem (the direct kernels then run, with no scratch).
+// A pass of a problem as the CUDA paths plan it (host query "conv2d_scratch" and the handlers).
 struct ConvQuery {
   ConvPass pass;
   ConvDtype dtype;
@@ -49,25 +49,7 @@ struct ConvQuery {
   ConvProblem problem;
 };
 
-inline bool parse_conv_query(const std::vector<int64_t>& a, ConvQuery* q) {
-  if (a.size() != 19) return false;
-  q->pass = ConvPass(a[0]);
-  q->dtype = ConvDtype(a[1]);
-  q->precision = ConvPrecision(a[2]);
-  q->problem = ConvProblem{a[3],  a[4],  a[5],  a[6],  a[7],  a[8],  a[9],  a[10], a[11], a[12],
-                           a[13], a[14], a[15], a[16], a[17], a[18]};
-  return true;
-}
-
 // ---- Index maps shared by the CPU and CUDA kernels (not part of the interface above) ---------
-
-// Floor division and modulo for a positive divisor (C++ `/` and `%` truncate toward zero).
-JK_HD int64_t floor_div(int64_t a, int64_t b) {
-  const int64_t q = a / b;
-  return (a % b != 0 && a < 0) ? q - 1 : q;
-}
-JK_HD int64_t floor_mod(int64_t a, int64_t b) { return a - floor_div(a, b) * b; }
-JK_HD int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
 
 // Output extent along one axis: floor((in + pads - dilation * (taps - 1) - 1) / stride) + 1.
 JK_HD int64_t conv_output_extent(int64_t in, int64_t taps, int64_t stride, int64_t pad_before,
@@ -147,32 +129,86 @@ JK_HD StencilWeights backward_data_weights(const ConvProblem& p) {
           cg * p.R * p.S, -p.S, -1};
 }
 
-// A convolution problem from the dims of its three tensors: `in` [N, C, H, W], `weight`
-// [K, C / groups, R, S] and `out` [N, K, P, Q], and the attributes of a pass.
-inline ConvProblem make_conv_problem(const int64_t* in, const int64_t* weight, const int64_t* out,
-                                     int64_t stride_h, int64_t stride_w, int64_t pad_top,
-                                     int64_t pad_left, int64_t dilation_h, int64_t dilation_w,
-                                     int64_t groups) {
-  return ConvProblem{in[0],      in[1],      in[2],    in[3],    weight[0],  weight[2],
-                     weight[3],  out[2],     out[3],   stride_h, stride_w,   pad_top,
-                     pad_left,   dilation_h, dilation_w, groups};
+// ---- FFI attributes and operand checks, shared by the CPU and CUDA handlers (host only) ----------
+
+// Every forward, dgrad and wgrad target takes these attributes (decoded with .Attrs<ConvAttrs>()).
+// Bottom/right padding is implied by the output extent. `precision` (ConvPrecision) selects TF32
+// on CUDA tensor cores only.
+struct ConvAttrs {
+  int64_t stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w, groups, precision;
+};
+
+// The problem of a pass from its tensors, `in` [N, C, H, W], `weight` [K, C/g, R, S] and `out`
+// [N, K, P, Q] (each the tensor or its gradient) of one element type, or an InvalidArgument error
+// naming `op`. The kernels bounds-check every read, so any consistent problem is safe.
+inline ffi::Error conv2d_problem(const char* op, const ConvAttrs& a, const ffi::AnyBuffer& in,
+                                 const ffi::AnyBuffer& weight, const ffi::AnyBuffer& out,
+                                 ConvProblem* p) {
+  const auto invalid = [op](const char* what) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
+  };
+  if (in.dimensions().size() != 4 || weight.dimensions().size() != 4 ||
+      out.dimensions().size() != 4)
+    return invalid("expected 4-D operands");
+  if (in.element_type() != weight.element_type() || in.element_type() != out.element_type())
+    return invalid("operands differ in element type");
+  const int64_t* i = in.dimensions().begin();
+  const int64_t* w = weight.dimensions().begin();
+  const int64_t* o = out.dimensions().begin();
+  *p = ConvProblem{i[0],       i[1],       i[2],      i[3],       w[0],         w[2],
+                   w[3],       o[2],       o[3],      a.stride_h, a.stride_w,   a.pad_top,
+                   a.pad_left, a.dilation_h, a.dilation_w, a.groups};
+  if (p->groups <= 0 || p->stride_h <= 0 || p->stride_w <= 0 || p->dilation_h <= 0 ||
+      p->dilation_w <= 0)
+    return invalid("groups, strides and dilations must be positive");
+  if (p->pad_top < 0 || p->pad_left < 0) return invalid("padding must be non-negative");
+  if (p->K % p->groups != 0 || w[1] * p->groups != p->C)
+    return invalid("weight shape does not match the input channels and groups");
+  if (o[0] != i[0] || o[1] != w[0]) return invalid("output shape does not match the operands");
+  for (int d = 0; d < 4; ++d)
+    if (i[d] < 0 || w[d] < 0 || o[d] < 0) return invalid("negative extent");
+  if (w[2] == 0 || w[3] == 0) return invalid("kernel extents must be positive");
+  return ffi::Error::Success();
 }
 
-// nullptr if the tensors of a pass agree with each other and the attributes are valid, else
-// what is wrong. The kernels bounds-check every read, so any consistent problem is safe.
-inline const char* conv_problem_error(const int64_t* in, const int64_t* weight, const int64_t* out,
-                                      const ConvProblem& p) {
-  if (p.groups <= 0 || p.stride_h <= 0 || p.stride_w <= 0 || p.dilation_h <= 0 ||
-      p.dilation_w <= 0)
-    return "groups, strides and dilations must be positive";
-  if (p.pad_top < 0 || p.pad_left < 0) return "padding must be non-negative";
-  if (p.K % p.groups != 0 || weight[1] * p.groups != p.C)
-    return "weight shape does not match the input channels and groups";
-  if (out[0] != in[0] || out[1] != weight[0]) return "output shape does not match the operands";
-  for (int d = 0; d < 4; ++d)
-    if (in[d] < 0 || weight[d] < 0 || out[d] < 0) return "negative extent";
-  if (weight[2] == 0 || weight[3] == 0) return "kernel extents must be positive";
-  return nullptr;
+// The forward's bias: [K] or empty (no bias), of the input's element type.
+inline ffi::Error conv2d_bias_check(const ffi::AnyBuffer& bias, const ffi::AnyBuffer& x,
+                                    int64_t K) {
+  const bool has_bias = bias.element_count() > 0;
+  if (bias.dimensions().size() != 1 || (has_bias && int64_t(bias.element_count()) != K) ||
+      (has_bias && bias.element_type() != x.element_type()))
+    return ffi::Error::InvalidArgument("conv2d: bias must be [K] or empty, of the input's type");
+  return ffi::Error::Success();
+}
+
+// The bias gradient's operands: dy [N, K, P, Q] -> db [K], or [B, N, K, P, Q] -> [B, K] (a
+// vmapped batch). Sets the batch B (1 unbatched), N, K and the plane P * Q.
+inline ffi::Error conv2d_bias_gradient_shape(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& db,
+                                             int64_t* batch, int64_t* N, int64_t* K,
+                                             int64_t* plane) {
+  const auto d = dy.dimensions();
+  const size_t rank = d.size();
+  if ((rank != 4 && rank != 5) || db.dimensions().size() != rank - 3 ||
+      db.dimensions().back() != d[rank - 3] || (rank == 5 && db.dimensions()[0] != d[0]) ||
+      db.element_type() != dy.element_type())
+    return ffi::Error::InvalidArgument(
+        "conv2d bias gradient: expected dy [(B,) N, K, P, Q] and db [(B,) K]");
+  *batch = rank == 5 ? d[0] : 1;
+  *N = d[rank - 4];
+  *K = d[rank - 3];
+  *plane = d[rank - 2] * d[rank - 1];
+  return ffi::Error::Success();
 }
 
 }  // namespace jax_kernels
+
+// Registers the decoding of ConvAttrs for `.Attrs<ConvAttrs>()` (once per source file, at
+// global scope).
+#define JK_CONV2D_REGISTER_ATTRS()                                                              \
+  XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(                                                        \
+      ::jax_kernels::ConvAttrs, ::xla::ffi::StructMember<int64_t>("stride_h"),                  \
+      ::xla::ffi::StructMember<int64_t>("stride_w"), ::xla::ffi::StructMember<int64_t>("pad_top"), \
+      ::xla::ffi::StructMember<int64_t>("pad_left"),                                            \
+      ::xla::ffi::StructMember<int64_t>("dilation_h"),                                          \
+      ::xla::ffi::StructMember<int64_t>("dilation_w"),                                          \
+      ::xla::ffi::StructMember<int64_t>("groups"), ::xla::ffi::StructMember<int64_t>("precision"))

@@ -3,6 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <set>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -38,16 +41,6 @@ ffi::Error dispatch_float(ffi::DataType dtype, const char* op, F&& f) {
   }
 }
 
-inline int64_t element_count(ffi::AnyBuffer::Dimensions dims) {
-  int64_t n = 1;
-  for (int64_t d : dims) n *= d;
-  return n;
-}
-
-inline std::vector<int64_t> to_vector(ffi::Span<const int64_t> span) {
-  return std::vector<int64_t>(span.begin(), span.end());
-}
-
 // One record per registered FFI target: the handler plus what capabilities() reports of it.
 struct TargetRecord {
   const char* target;      // FFI target name, identical on every platform
@@ -68,11 +61,35 @@ struct TargetRegistrar {
   explicit TargetRegistrar(const TargetRecord& record) { target_registry().push_back(record); }
 };
 
+// The arguments of a host query, by name: Python calls query(name, {argument: int}), so no side
+// depends on an argument order. Reading a name that was not passed throws std::invalid_argument
+// (a Python ValueError); so does passing a name the query never reads (checked after it ran).
+class QueryArgs {
+ public:
+  explicit QueryArgs(const std::map<std::string, int64_t>& values) : values_(values) {}
+  int64_t operator[](const std::string& name) const {
+    const auto it = values_.find(name);
+    if (it == values_.end()) throw std::invalid_argument("missing query argument '" + name + "'");
+    read_.insert(name);
+    return it->second;
+  }
+  // The first argument that was passed but never read, or "" if none.
+  std::string unread() const {
+    for (const auto& [name, value] : values_)
+      if (read_.count(name) == 0) return name;
+    return "";
+  }
+
+ private:
+  const std::map<std::string, int64_t>& values_;
+  mutable std::set<std::string> read_;
+};
+
 // A host function the Python side may call at trace time, e.g. the scratch bytes a CUDA pass
-// needs for a given problem size (scratch comes from XLA as an extra result, never cudaMalloc).
+// needs for a given problem (scratch comes from XLA as an extra result, never cudaMalloc).
 struct QueryRecord {
   const char* name;
-  int64_t (*function)(const std::vector<int64_t>& arguments);
+  int64_t (*function)(const QueryArgs& arguments);
 };
 
 inline std::vector<QueryRecord>& query_registry() {
@@ -91,7 +108,7 @@ struct QueryRegistrar {
   static ::jax_kernels::TargetRegistrar JK_CONCAT(jk_registrar_, __LINE__)( \
       ::jax_kernels::TargetRecord{target, handler, op, pass, backend, determinism})
 
-// Registers `int64_t function(const std::vector<int64_t>&)` as query `name` of this module.
+// Registers `int64_t function(const QueryArgs&)` as query `name` of this module.
 #define JK_REGISTER_QUERY(name, function)                                    \
   static ::jax_kernels::QueryRegistrar JK_CONCAT(jk_query_registrar_, __LINE__)( \
       ::jax_kernels::QueryRecord{name, function})

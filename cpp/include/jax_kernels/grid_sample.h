@@ -439,13 +439,21 @@ inline std::string make_grid_sample_call(GridSamplePass pass, const DimsView* op
 
 // ---- host side: decoding an FFI call and choosing a kernel instantiation ----------------------
 
+// Every grid_sample target takes these attributes (decoded with .Attrs<GridSampleAttrs>()).
+// `deterministic` chooses between the CUDA d_input paths; the other passes have one path.
+struct GridSampleAttrs {
+  int64_t mode;     // GridSampleMode
+  int64_t padding;  // GridSamplePadding
+  bool align_corners;
+  ffi::Span<const int64_t> batch_maps;  // (repeat, chunk) per operand, in operand order
+  bool deterministic;
+};
+
 // Decodes and validates a call of `pass`; every operand and the result share one element type.
 inline ffi::Error decode_grid_sample_call(const char* op, GridSamplePass pass,
                                           std::initializer_list<const ffi::AnyBuffer*> operands,
-                                          const ffi::AnyBuffer& result, int64_t mode,
-                                          int64_t padding, bool align_corners,
-                                          ffi::Span<const int64_t> batch_maps,
-                                          GridSampleCall* call) {
+                                          const ffi::AnyBuffer& result,
+                                          const GridSampleAttrs& attrs, GridSampleCall* call) {
   const auto dims_of = [](const ffi::AnyBuffer& buffer) {
     return DimsView{buffer.dimensions().begin(), int(buffer.dimensions().size())};
   };
@@ -459,8 +467,9 @@ inline ffi::Error decode_grid_sample_call(const char* op, GridSamplePass pass,
     dims[count++] = dims_of(*operand);
   }
   const std::string problem =
-      make_grid_sample_call(pass, dims, count, dims_of(result), mode, padding, align_corners,
-                            batch_maps.begin(), int64_t(batch_maps.size()), call);
+      make_grid_sample_call(pass, dims, count, dims_of(result), attrs.mode, attrs.padding,
+                            attrs.align_corners, attrs.batch_maps.begin(),
+                            int64_t(attrs.batch_maps.size()), call);
   if (!problem.empty()) return ffi::Error::InvalidArgument(std::string(op) + ": " + problem);
   return ffi::Error::Success();
 }
@@ -483,3 +492,13 @@ void dispatch_grid_sampler(GridSampleMode mode, int dims, F&& f) {
 }
 
 }  // namespace jax_kernels
+
+// Registers the decoding of GridSampleAttrs for `.Attrs<GridSampleAttrs>()` (once per source
+// file, at global scope).
+#define JK_GRID_SAMPLE_REGISTER_ATTRS()                                                      \
+  XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(                                                     \
+      ::jax_kernels::GridSampleAttrs, ::xla::ffi::StructMember<int64_t>("mode"),             \
+      ::xla::ffi::StructMember<int64_t>("padding"),                                          \
+      ::xla::ffi::StructMember<bool>("align_corners"),                                       \
+      ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("batch_maps"),               \
+      ::xla::ffi::StructMember<bool>("deterministic"))

@@ -484,6 +484,9 @@ struct RoiAlignAttrs {
   bool aligned;
   int64_t batch_images;
   ffi::Span<const int64_t> batch_terms;  // (divisor, modulus, stride) per term, flattened
+  // Chooses between the CUDA d_input paths (false: atomics for float32/float64); the other
+  // passes have one path.
+  bool deterministic;
 };
 
 // The problem of a call, or an InvalidArgument error naming `op`: `input` is the input or its
@@ -534,4 +537,5 @@ inline ffi::Error roi_align_problem(const char* op, const RoiAlignAttrs& attrs,
       ::xla::ffi::StructMember<int64_t>("sampling_ratio"),                                 \
       ::xla::ffi::StructMember<bool>("aligned"),                                           \
       ::xla::ffi::StructMember<int64_t>("batch_images"),                                   \
-      ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("batch_terms"))
+      ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("batch_terms"),             \
+      ::xla::ffi::StructMember<bool>("deterministic"))

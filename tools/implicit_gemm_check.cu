@@ -1,15 +1,15 @@
-// GPU self-check of the tensor-core conv2d path (cpp/cuda/conv_dense*.cu), independent of the FFI
-// handlers and of jax: for a set of problems it runs every pass through conv2d_dense() and
+// GPU self-check of the tensor-core conv2d path (cpp/cuda/conv/implicit_gemm*.cu), independent of the FFI
+// handlers and of jax: for a set of problems it runs every pass through implicit_gemm_conv2d() and
 // compares with a direct float64 reference computed on the GPU from the same (rounded) inputs,
 // checks that outputs are bitwise identical across runs with different scratch garbage, that the
-// expected problems are declined, and times the benchmark shapes of DESIGN.md section 8.
+// expected problems are declined, and times the benchmark shapes.
 //
 // What it prints, per problem, pass and math mode:
 //   ok   <problem> <pass> <mode> scratch <MiB>  max rel err <e> (tol <t>)      (or FAIL ...)
 // and with timing (the default), once at the start, the floor for memory-bound kernels:
 //   copy 1 GiB device-to-device: <ms> ms = <GB/s> GB/s read+write (median of 11)
-// then for each benchmark shape, pass and mode, the whole pass and its steps (conv_dense.h's
-// conv2d_dense_steps: the same launches as conv2d_dense, restricted to one step):
+// then for each benchmark shape, pass and mode, the whole pass and its steps (implicit_gemm.h's
+// implicit_gemm_steps: the same launches as implicit_gemm_conv2d, restricted to one step):
 //   time   <label> <ms> ms (median of 11 x 20 back-to-back)                       whole pass
 //   layout <label> in  <ms> ms warm, <ms> ms cold L2 (<what>): <MB> MB = <x> x copy time
 //   layout <label> out <ms> ms warm, <ms> ms cold L2 (<what>): <MB> MB = <x> x copy time
@@ -20,13 +20,13 @@
 // runs on NCHW as is). "warm" is the median of 11 x 20 back-to-back launches of the step alone, so
 // its operands may stay in L2 between launches (a lower bound of its cost inside the pass);
 // "cold L2" the median of 11 single launches each after reading a buffer of 4x the L2 size (an
-// upper bound). MB are the bytes the step's kernel reads plus writes (conv2d_dense_layout_info),
+// upper bound). MB are the bytes the step's kernel reads plus writes (implicit_gemm_layout_info),
 // "copy time" those bytes at the measured copy bandwidth, the floor for that much data movement;
 // the % uses the warm times.
 //
 // Build and run (GPU machine, from the repository root):
-//   scripts/build_inplace.sh && cmake --build build/inplace --target conv_dense_check &&
-//   build/inplace/conv_dense_check            # add --no-timing to skip the benchmark shapes
+//   tools/build_inplace.sh && cmake --build build/inplace --target implicit_gemm_check &&
+//   build/inplace/implicit_gemm_check            # add --no-timing to skip the benchmark shapes
 // Exit status 0 when every check passes.
 #include <cuda_runtime.h>
 
@@ -38,7 +38,7 @@
 #include <string>
 #include <vector>
 
-#include "conv_dense.h"
+#include "conv/implicit_gemm.h"
 #include "conv_reference.cuh"
 #include "jax_kernels/conv.h"
 #include "jax_kernels/scalar.h"
@@ -292,25 +292,25 @@ void fail(const std::string& what) {
   ++failures;
 }
 
-// Times the steps of one pass apart (conv2d_dense_steps) and prints the "layout" lines described
+// Times the steps of one pass apart (implicit_gemm_steps) and prints the "layout" lines described
 // at the top. The scratch holds what the whole pass left there, so every step reads real data.
 void time_steps(const char* label, const ConvQuery& query, cudaStream_t stream, const void* a,
                 const void* b, const void* bias, void* out, void* scratch, int64_t scratch_bytes,
                 float pass_ms) {
-  ConvDenseLayoutInfo info;
-  if (!conv2d_dense_layout_info(query, bias != nullptr, &info)) {
+  ImplicitGemmLayoutInfo info;
+  if (!implicit_gemm_layout_info(query, bias != nullptr, &info)) {
     fail(std::string(label) + ": no layout info");
     return;
   }
   auto step_launch = [&](unsigned steps) {
     return [=]() {
-      conv2d_dense_steps(stream, query, a, b, bias, out, scratch, scratch_bytes, steps);
+      implicit_gemm_steps(stream, query, a, b, bias, out, scratch, scratch_bytes, steps);
     };
   };
-  for (unsigned steps : {unsigned(kConvDenseLayoutIn), unsigned(kConvDenseCutlass),
-                         unsigned(kConvDenseLayoutOut)}) {
+  for (unsigned steps : {unsigned(kImplicitGemmLayoutIn), unsigned(kImplicitGemmCutlass),
+                         unsigned(kImplicitGemmLayoutOut)}) {
     const ffi::Error error =
-        conv2d_dense_steps(stream, query, a, b, bias, out, scratch, scratch_bytes, steps);
+        implicit_gemm_steps(stream, query, a, b, bias, out, scratch, scratch_bytes, steps);
     CHECK_CUDA(cudaStreamSynchronize(stream));
     if (error.failure()) {
       fail(std::string(label) + ": step " + std::to_string(steps) + ": " + error.message());
@@ -332,9 +332,9 @@ void time_steps(const char* label, const ConvQuery& query, cudaStream_t stream, 
     std::printf("  layout %s %-3s %.4f ms warm, %.4f ms cold L2 (%s): %.2f MB = %.2f x copy time\n",
                 label, which, warm, cold, what, bytes / 1e6, warm / copy_ms);
   };
-  layout_line("in", kConvDenseLayoutIn, info.in_launches, info.in_bytes, info.in_what);
-  layout_line("out", kConvDenseLayoutOut, info.out_launches, info.out_bytes, info.out_what);
-  const float cutlass_ms = median_ms(stream, step_launch(kConvDenseCutlass), false);
+  layout_line("in", kImplicitGemmLayoutIn, info.in_launches, info.in_bytes, info.in_what);
+  layout_line("out", kImplicitGemmLayoutOut, info.out_launches, info.out_bytes, info.out_what);
+  const float cutlass_ms = median_ms(stream, step_launch(kImplicitGemmCutlass), false);
   std::printf(
       "  layout %s cutlass %.4f ms; layout in+out %.4f ms = %.1f%% of the pass (steps sum %.4f "
       "ms)\n",
@@ -345,7 +345,7 @@ void run_case(const Case& c, ConvPass pass, ConvDtype dtype, ConvPrecision preci
               bool timing) {
   const ConvProblem& p = c.problem;
   const ConvQuery query{pass, dtype, precision, p};
-  const int64_t scratch_bytes = conv2d_dense_scratch_bytes(query);
+  const int64_t scratch_bytes = implicit_gemm_scratch_bytes(query);
   char label[256];
   std::snprintf(label, sizeof label, "%-34s %-5s %-11s", c.name.c_str(), pass_label(pass),
                 dtype_label(dtype, precision));
@@ -381,7 +381,7 @@ void run_case(const Case& c, ConvPass pass, ConvDtype dtype, ConvPrecision preci
   CHECK_CUDA(cudaStreamCreate(&stream));
 
   auto launch = [&]() {
-    return conv2d_dense(stream, query, a.data, b.data, with_bias ? bias.data : nullptr, out.data,
+    return implicit_gemm_conv2d(stream, query, a.data, b.data, with_bias ? bias.data : nullptr, out.data,
                         scratch, scratch_bytes);
   };
   std::vector<std::vector<uint8_t>> runs;
@@ -461,7 +461,7 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDevice(&device));
   CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
-  std::printf("conv_dense_check on %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor,
+  std::printf("implicit_gemm_check on %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor,
               prop.multiProcessorCount);
   if (timing) set_up_timing(prop);
 
@@ -496,7 +496,7 @@ int main(int argc, char** argv) {
        kForwardAndWgrad, false},
       {"depthwise 3x3 C32 (declined)", make_problem(2, 32, 8, 8, 32, 3, 3, 1, 1, 1, 32), false,
        kNoPasses, false},
-      // The benchmark shapes of DESIGN.md section 8 (also timed).
+      // The benchmark shapes (also timed).
       {"bench 3x3 64->64 N32 56x56", make_problem(32, 64, 56, 56, 64, 3, 3, 1, 1), false,
        kAllPasses, true},
       {"bench 1x1 256->64 N32 56x56", make_problem(32, 256, 56, 56, 64, 1, 1), false, kAllPasses,

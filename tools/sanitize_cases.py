@@ -1,7 +1,7 @@
 """Small forward + backward cases of every op, for compute-sanitizer memcheck on the GPU
-(scripts/gpu_check.sh). Shapes are odd on purpose: tails, broadcasts, zero repeats.
+(tools/gpu_check.sh). Shapes are odd on purpose: tails, broadcasts, zero repeats.
 
-    python scripts/sanitize_cases.py [--dtypes float32,bfloat16] [op ...]
+    python tools/sanitize_cases.py [--dtypes float32,bfloat16] [op ...]
     (default: every op and every dtype; ops e.g. conv2d grid_sample)"""
 
 import sys

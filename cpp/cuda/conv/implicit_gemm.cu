@@ -1,5 +1,5 @@
-// Tensor-core conv2d path (interface in conv_dense.h): plans each problem onto CUTLASS kernels
-// (conv_dense_<math>.cu) and runs the layout kernels around them.
+// Tensor-core conv2d path (interface in implicit_gemm.h): plans each problem onto CUTLASS kernels
+// (implicit_gemm_<math>.cu) and runs the layout kernels around them.
 //
 // Two routes:
 // - GEMM: 1x1 kernels with stride 1, no padding, one group, and channel and pixel counts that are
@@ -19,7 +19,7 @@
 // channels or filters per group, or more than 16 groups), strided dgrad with dilation, unit-stride
 // dgrad with padding wider than the filter, filters over 32 taps a side, and tensors past
 // CUTLASS's 32-bit indexing (2 GiB per tensor).
-#include "conv_dense.h"
+#include "conv/implicit_gemm.h"
 
 #if defined(JAX_KERNELS_HAVE_CUTLASS)
 
@@ -31,20 +31,21 @@
 #include <string>
 #include <type_traits>
 
-#include "conv_dense_cutlass.h"
-#include "jax_kernels/cuda_util.h"
+#include "conv/implicit_gemm_kernels.h"
+#include "common/launch.h"
+#include "common/scratch.h"
+#include "common/status.h"
 
 namespace jax_kernels {
 namespace {
 
-using conv_dense::BatchedGemm;
-using conv_dense::GemmKernel;
-using conv_dense::Math;
-using conv_dense::NhwcConv;
-using conv_dense::NhwcKernel;
-using conv_dense::TileClass;
+using implicit_gemm::BatchedGemm;
+using implicit_gemm::GemmKernel;
+using implicit_gemm::Math;
+using implicit_gemm::NhwcConv;
+using implicit_gemm::NhwcKernel;
+using implicit_gemm::TileClass;
 
-constexpr int64_t kScratchAlign = 256;
 // SM count the split heuristics aim at (H100/H200). Fixed rather than queried: the scratch size
 // depends on the split and is computed at trace time, possibly without a GPU.
 constexpr int64_t kNominalSms = 132;
@@ -54,7 +55,7 @@ constexpr int64_t kMaxGroups = 16;
 constexpr int64_t kMinChannelsPerGroup = 16;
 
 // Calls f(std::integral_constant<Math, M>{}) for the math mode: the CUTLASS entry points are
-// templates instantiated once per mode (conv_dense_<math>.cu).
+// templates instantiated once per mode (implicit_gemm_<math>.cu).
 template <class F>
 auto with_math(Math math, F&& f) {
   switch (math) {
@@ -68,21 +69,18 @@ auto with_math(Math math, F&& f) {
 
 template <class Problem>
 bool can_implement(Math math, const Problem& problem) {
-  return with_math(math, [&](auto m) { return conv_dense::can_implement<m()>(problem); });
+  return with_math(math, [&](auto m) { return implicit_gemm::can_implement<m()>(problem); });
 }
 
 template <class Problem>
 int64_t output_tiles(Math math, const Problem& problem) {
-  return with_math(math, [&](auto m) { return conv_dense::output_tiles<m()>(problem); });
+  return with_math(math, [&](auto m) { return implicit_gemm::output_tiles<m()>(problem); });
 }
 
 template <class Problem>
 ffi::Error run(Math math, const Problem& problem, cudaStream_t stream) {
-  return with_math(math, [&](auto m) { return conv_dense::run<m()>(problem, stream); });
+  return with_math(math, [&](auto m) { return implicit_gemm::run<m()>(problem, stream); });
 }
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
 // ---- Planning (host only, identical at trace time and at run time) ----------------------------
 
@@ -103,16 +101,12 @@ struct Plan {
   int64_t bytes = -1;
 };
 
-// Lays out regions of the given sizes one after another; the total includes slack to align the
-// base, since nothing promises more than the element alignment of the scratch buffer.
+// Lays out regions of the given sizes one after another (common/scratch.h).
 void lay_out_scratch(Plan* plan, std::initializer_list<int64_t> region_bytes) {
-  int64_t end = 0;
+  ScratchLayout layout;
   int index = 0;
-  for (int64_t size : region_bytes) {
-    plan->offset[index++] = end;
-    end += round_up(size, kScratchAlign);
-  }
-  plan->bytes = end == 0 ? 0 : end + kScratchAlign;
+  for (int64_t size : region_bytes) plan->offset[index++] = layout.take(size);
+  plan->bytes = layout.total();
 }
 
 bool math_of(const ConvQuery& query, Math* math) {
@@ -563,9 +557,9 @@ char* region(char* base, const Plan& plan, int i) { return base + plan.offset[i]
 
 // ---- Running the routes -----------------------------------------------------------------------
 
-// Each route runs the steps of conv_dense.h's ConvDenseStep that are set in `steps` (all of them
+// Each route runs the steps of implicit_gemm.h's ImplicitGemmStep that are set in `steps` (all of them
 // for conv2d_dense), in order; a step left out is skipped and nothing else changes.
-bool has(unsigned steps, ConvDenseStep step) { return (steps & step) != 0; }
+bool has(unsigned steps, ImplicitGemmStep step) { return (steps & step) != 0; }
 
 template <class Bits>
 ffi::Error run_gemm_route(cudaStream_t stream, const ConvQuery& query, const Plan& plan,
@@ -579,7 +573,7 @@ ffi::Error run_gemm_route(cudaStream_t stream, const ConvQuery& query, const Pla
       g.a = b, g.b = a, g.d = out;
       if (bias != nullptr) {
         Bits* matrix = reinterpret_cast<Bits*>(region(base, plan, 0));
-        if (has(steps, kConvDenseLayoutIn)) {
+        if (has(steps, kImplicitGemmLayoutIn)) {
           broadcast_bias_kernel<Bits><<<grid_blocks(p.K * pixels, kLayoutThreads), kLayoutThreads,
                                         0, stream>>>(static_cast<const Bits*>(bias), matrix, pixels,
                                                      p.K * pixels);
@@ -587,18 +581,18 @@ ffi::Error run_gemm_route(cudaStream_t stream, const ConvQuery& query, const Pla
         }
         g.c = matrix;
       }
-      return has(steps, kConvDenseCutlass) ? run(plan.math, g, stream) : ffi::Error::Success();
+      return has(steps, kImplicitGemmCutlass) ? run(plan.math, g, stream) : ffi::Error::Success();
     }
     case ConvPass::kBackwardData:
       g.a = b, g.b = a, g.d = out;
-      return has(steps, kConvDenseCutlass) ? run(plan.math, g, stream) : ffi::Error::Success();
+      return has(steps, kImplicitGemmCutlass) ? run(plan.math, g, stream) : ffi::Error::Success();
     case ConvPass::kBackwardWeight:
     default: {
       float* partials = reinterpret_cast<float*>(region(base, plan, 0));
       g.a = a, g.b = b, g.d = partials;
-      if (has(steps, kConvDenseCutlass))
+      if (has(steps, kImplicitGemmCutlass))
         if (ffi::Error e = run(plan.math, g, stream); e.failure()) return e;
-      if (!has(steps, kConvDenseLayoutOut)) return ffi::Error::Success();
+      if (!has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
       WgradReduction r{};
       r.Kg = p.K, r.Cg = r.Cgp = p.C, r.R = r.S = 1;
       r.quads = p.K * ceil_div(p.C, 4);
@@ -638,19 +632,19 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
         weights.bias_out = reinterpret_cast<Bits*>(bias_padded);
         weights.bias_count = G * Kgp;
       }
-      if (has(steps, kConvDenseLayoutIn))
+      if (has(steps, kImplicitGemmLayoutIn))
         if (ffi::Error e = launch_layout<Bits>(
                 stream, {to_nhwc<Bits>(a, x_nhwc, p.N, G, Cg, input_pixels, Cgp)}, &weights);
             e.failure())
           return e;
-      for (int64_t g = 0; g < G && has(steps, kConvDenseCutlass); ++g) {
+      for (int64_t g = 0; g < G && has(steps, kImplicitGemmCutlass); ++g) {
         c.a = x_nhwc + g * x_group;
         c.b = w_krsc + g * w_group;
         c.c = bias != nullptr ? bias_padded + g * Kgp * eb : nullptr;
         c.d = y_nhwc + g * y_group;
         if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
       }
-      if (!has(steps, kConvDenseLayoutOut)) return ffi::Error::Success();
+      if (!has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
       return launch_layout<Bits>(stream,
                                  {to_nchw<Bits>(y_nhwc, out, p.N, G, output_pixels, Kg, Kgp)});
     }
@@ -660,18 +654,18 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
       char* dx_nhwc = region(base, plan, 2);
       weights.out = reinterpret_cast<Bits*>(w_t);
       weights.flip = plan.dgrad_as_fprop;
-      if (has(steps, kConvDenseLayoutIn))
+      if (has(steps, kImplicitGemmLayoutIn))
         if (ffi::Error e = launch_layout<Bits>(
                 stream, {to_nhwc<Bits>(a, dy_nhwc, p.N, G, Kg, output_pixels, Kgp)}, &weights);
             e.failure())
           return e;
-      for (int64_t g = 0; g < G && has(steps, kConvDenseCutlass); ++g) {
+      for (int64_t g = 0; g < G && has(steps, kImplicitGemmCutlass); ++g) {
         c.a = dy_nhwc + g * y_group;
         c.b = w_t + g * w_group;
         c.d = dx_nhwc + g * x_group;
         if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
       }
-      if (!has(steps, kConvDenseLayoutOut)) return ffi::Error::Success();
+      if (!has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
       return launch_layout<Bits>(stream,
                                  {to_nchw<Bits>(dx_nhwc, out, p.N, G, input_pixels, Cg, Cgp)});
     }
@@ -680,20 +674,20 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
       char* dy_nhwc = region(base, plan, 0);
       char* x_nhwc = region(base, plan, 1);
       float* partials = reinterpret_cast<float*>(region(base, plan, 2));
-      if (has(steps, kConvDenseLayoutIn))
+      if (has(steps, kImplicitGemmLayoutIn))
         if (ffi::Error e = launch_layout<Bits>(
                 stream, {to_nhwc<Bits>(a, dy_nhwc, p.N, G, Kg, output_pixels, Kgp),
                          to_nhwc<Bits>(b, x_nhwc, p.N, G, Cg, input_pixels, Cgp)});
             e.failure())
           return e;
       const int64_t partial_size = Kgp * p.R * p.S * Cgp;
-      for (int64_t g = 0; g < G && has(steps, kConvDenseCutlass); ++g) {
+      for (int64_t g = 0; g < G && has(steps, kImplicitGemmCutlass); ++g) {
         c.a = dy_nhwc + g * y_group;
         c.b = x_nhwc + g * x_group;
         c.d = partials + g * c.split_k * partial_size;
         if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
       }
-      if (!has(steps, kConvDenseLayoutOut)) return ffi::Error::Success();
+      if (!has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
       WgradReduction r{};
       r.Kg = Kg, r.Cg = Cg, r.R = p.R, r.S = p.S, r.Cgp = Cgp;
       r.quads = G * Kg * p.R * p.S * ceil_div(Cg, 4);
@@ -713,18 +707,18 @@ ffi::Error run_plan(cudaStream_t stream, const ConvQuery& query, const Plan& pla
 
 }  // namespace
 
-int64_t conv2d_dense_scratch_bytes(const ConvQuery& query) {
+int64_t implicit_gemm_scratch_bytes(const ConvQuery& query) {
   const Plan plan = make_plan(query);
   return plan.route == Route::kDecline ? -1 : plan.bytes;
 }
 
-ffi::Error conv2d_dense(cudaStream_t stream, const ConvQuery& query, const void* a, const void* b,
+ffi::Error implicit_gemm_conv2d(cudaStream_t stream, const ConvQuery& query, const void* a, const void* b,
                         const void* bias, void* out, void* scratch, int64_t scratch_bytes) {
-  return conv2d_dense_steps(stream, query, a, b, bias, out, scratch, scratch_bytes,
-                            kConvDenseAllSteps);
+  return implicit_gemm_steps(stream, query, a, b, bias, out, scratch, scratch_bytes,
+                            kImplicitGemmAllSteps);
 }
 
-ffi::Error conv2d_dense_steps(cudaStream_t stream, const ConvQuery& query, const void* a,
+ffi::Error implicit_gemm_steps(cudaStream_t stream, const ConvQuery& query, const void* a,
                               const void* b, const void* bias, void* out, void* scratch,
                               int64_t scratch_bytes, unsigned steps) {
   const Plan plan = make_plan(query);
@@ -735,17 +729,16 @@ ffi::Error conv2d_dense_steps(cudaStream_t stream, const ConvQuery& query, const
     return ffi::Error::InvalidArgument("conv2d: tensor-core path got " +
                                        std::to_string(scratch_bytes) + " scratch bytes, needs " +
                                        std::to_string(plan.bytes));
-  char* base = reinterpret_cast<char*>(
-      round_up(int64_t(reinterpret_cast<uintptr_t>(scratch)), kScratchAlign));
+  char* base = aligned_scratch(scratch);
   if (plan.element_bytes == 2)
     return run_plan<uint16_t>(stream, query, plan, a, b, bias, out, base, steps);
   return run_plan<uint32_t>(stream, query, plan, a, b, bias, out, base, steps);
 }
 
-bool conv2d_dense_layout_info(const ConvQuery& query, bool with_bias, ConvDenseLayoutInfo* info) {
+bool implicit_gemm_layout_info(const ConvQuery& query, bool with_bias, ImplicitGemmLayoutInfo* info) {
   const Plan plan = make_plan(query);
   if (plan.route == Route::kDecline) return false;
-  *info = ConvDenseLayoutInfo{};
+  *info = ImplicitGemmLayoutInfo{};
   const ConvProblem& p = query.problem;
   const int64_t eb = plan.element_bytes;
   const int64_t x_count = p.N * p.C * p.H * p.W, y_count = p.N * p.K * p.P * p.Q;
@@ -808,35 +801,22 @@ bool conv2d_dense_layout_info(const ConvQuery& query, bool with_bias, ConvDenseL
 
 namespace jax_kernels {
 
-int64_t conv2d_dense_scratch_bytes(const ConvQuery&) { return -1; }
+int64_t implicit_gemm_scratch_bytes(const ConvQuery&) { return -1; }
 
-ffi::Error conv2d_dense(cudaStream_t, const ConvQuery&, const void*, const void*, const void*, void*,
+ffi::Error implicit_gemm_conv2d(cudaStream_t, const ConvQuery&, const void*, const void*, const void*, void*,
                         void*, int64_t) {
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
                     "conv2d: built without CUTLASS, the tensor-core path is not available");
 }
 
-ffi::Error conv2d_dense_steps(cudaStream_t, const ConvQuery&, const void*, const void*, const void*,
+ffi::Error implicit_gemm_steps(cudaStream_t, const ConvQuery&, const void*, const void*, const void*,
                               void*, void*, int64_t, unsigned) {
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
                     "conv2d: built without CUTLASS, the tensor-core path is not available");
 }
 
-bool conv2d_dense_layout_info(const ConvQuery&, bool, ConvDenseLayoutInfo*) { return false; }
+bool implicit_gemm_layout_info(const ConvQuery&, bool, ImplicitGemmLayoutInfo*) { return false; }
 
 }  // namespace jax_kernels
 
 #endif
-
-namespace jax_kernels {
-namespace {
-int64_t conv2d_dense_scratch_query(const std::vector<int64_t>& arguments) {
-  ConvQuery query;
-  if (!parse_conv_query(arguments, &query)) return -1;
-  return conv2d_dense_scratch_bytes(query);
-}
-}  // namespace
-
-JK_REGISTER_QUERY("conv2d_dense_scratch", conv2d_dense_scratch_query);
-
-}  // namespace jax_kernels

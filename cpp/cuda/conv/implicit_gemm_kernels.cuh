@@ -1,18 +1,19 @@
 // The CUTLASS kernels of the tensor-core convolution path and their tile table. Included by one
-// conv_dense_<math>.cu per math mode, which instantiates everything below for that mode only.
+// implicit_gemm_<math>.cu per math mode, which instantiates everything below for that mode only.
 //
 // Kernels: implicit-GEMM fprop, strided dgrad and wgrad on NHWC tensors (CUTLASS 2.x conv API,
 // optimized iterators), and batched GEMMs for 1x1 convolutions on NCHW data, all Sm80 tensor-op
 // multistage kernels (they run on sm_80 and sm_90). Unit-stride dgrad runs as an fprop on flipped
-// weights (conv_dense.cu prepares them), so no unit-stride dgrad kernel is instantiated.
+// weights (implicit_gemm.cu prepares them), so no unit-stride dgrad kernel is instantiated.
 #pragma once
 
 #include <cstdio>
 #include <string>
 #include <type_traits>
 
-#include "conv_dense_cutlass.h"
-#include "jax_kernels/cuda_util.h"
+#include "conv/implicit_gemm_kernels.h"
+#include "common/launch.h"
+#include "common/status.h"
 // CUTLASS's device-level conv header relies on the kernel headers being included first.
 #include "cutlass/cutlass.h"
 #include "cutlass/conv/kernel/default_conv2d_dgrad.h"
@@ -23,7 +24,7 @@
 #include "cutlass/gemm/device/gemm_batched.h"
 
 namespace jax_kernels {
-namespace conv_dense {
+namespace implicit_gemm {
 namespace detail {
 
 using cutlass::gemm::GemmShape;
@@ -417,7 +418,7 @@ ffi::Error run(const BatchedGemm& gemm, cudaStream_t stream) {
 }
 
 // Instantiates the entry points for one math mode (in its own translation unit).
-#define JK_CONV_DENSE_INSTANTIATE(math)                                                    \
+#define JK_IMPLICIT_GEMM_INSTANTIATE(math)                                                    \
   template bool can_implement<math>(const NhwcConv&);                                      \
   template int64_t output_tiles<math>(const NhwcConv&);                                    \
   template int64_t output_tiles<math>(const BatchedGemm&);                                 \
@@ -425,5 +426,5 @@ ffi::Error run(const BatchedGemm& gemm, cudaStream_t stream) {
   template bool can_implement<math>(const BatchedGemm&);                                   \
   template ffi::Error run<math>(const BatchedGemm&, cudaStream_t)
 
-}  // namespace conv_dense
+}  // namespace implicit_gemm
 }  // namespace jax_kernels

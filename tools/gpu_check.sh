@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# One-call GPU check for the device machine (no network): install the carried CUTLASS wheel,
-# build and install jax_kernels with CUDA, check the tensor-core conv path standalone
-# (conv_dense_check), run the test suite on the GPU, run compute-sanitizer
+# One-call GPU check for a GPU machine without network: install the carried CUTLASS wheel,
+# build and install jax_kernels with CUDA, check the conv kernels standalone (implicit_gemm_check,
+# conv_direct_check), run the test suite on the GPU, run compute-sanitizer
 # memcheck on small cases of every kernel, record the digests of every deterministic pass's bits
 # (tools/pass_digests.py, to compare before and after a change), then the benchmark against
 # jnp/lax and torch.
 #
-#   scripts/gpu_check.sh [pytest args...]      (carry .whl; results land in $OUT)
+#   tools/gpu_check.sh [pytest args...]      (carry .whl; results land in $OUT)
 #
-# Environment: SKIP_DENSE_CHECK=1, SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_DIGESTS=1, SKIP_BENCH=1, BENCH_OPS=lerp,repeat,
+# Environment: SKIP_CONV_CHECKS=1, SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_DIGESTS=1, SKIP_BENCH=1, BENCH_OPS=lerp,repeat,
 # CUDA_ARCHS (default 90), SANITIZER_OPS="conv2d" / SANITIZER_DTYPES=bfloat16 (a subset of the
 # memcheck cases; default all), SANITIZER_SECONDS (default 300), RACECHECK_OPS="conv2d grid_sample"
 # (adds a racecheck run of those ops' cases, RACECHECK_DTYPES default float32,bfloat16, limited to
@@ -34,11 +34,14 @@ CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install -q --no-build-isolati
 echo "build: $(( $(date +%s) - start )) s"
 python3 -c "import jax_kernels._ffi as f; assert f.CUDA_BUILT, 'CUDA module missing'; print('CUDA module built')" || exit 1
 
-if [ -z "${SKIP_DENSE_CHECK:-}" ]; then  # the tensor-core conv path against a float64 reference
+if [ -z "${SKIP_CONV_CHECKS:-}" ]; then  # the conv kernels alone against a float64 reference
   start=$(date +%s)
-  cmake --build build/gpu --target conv_dense_check -j "$(nproc)" >/dev/null 2>&1 && build/gpu/conv_dense_check 2>&1 | tee "$OUT/conv_dense_check.log" | tail -40
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  echo "conv_dense_check: $(( $(date +%s) - start )) s"
+  for tool in implicit_gemm_check conv_direct_check; do
+    cmake --build build/gpu --target "$tool" -j "$(nproc)" >/dev/null 2>&1 &&
+      "build/gpu/$tool" 2>&1 | tee "$OUT/$tool.log" | tail -20
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  done
+  echo "conv checks: $(( $(date +%s) - start )) s"
 fi
 
 if [ -z "${SKIP_TESTS:-}" ]; then
@@ -67,7 +70,7 @@ if [ -z "${SKIP_SANITIZER:-}" ]; then
   start=$(date +%s)
   # shellcheck disable=SC2086
   JAX_PLATFORMS=cuda run_limited "${SANITIZER_SECONDS:-300}" "$OUT/sanitizer.log" compute-sanitizer \
-    --tool memcheck --kernel-name kns=jax_kernels --error-exitcode 3 python3 scripts/sanitize_cases.py \
+    --tool memcheck --kernel-name kns=jax_kernels --error-exitcode 3 python3 tools/sanitize_cases.py \
     --dtypes "${SANITIZER_DTYPES:-float16,bfloat16,float32,float64}" ${SANITIZER_OPS:-} || status=1
   echo "sanitizer: $(( $(date +%s) - start )) s"
 fi
@@ -76,7 +79,7 @@ if [ -n "${RACECHECK_OPS:-}" ]; then  # shared-memory hazards; slow, so a subset
   start=$(date +%s)
   # shellcheck disable=SC2086
   JAX_PLATFORMS=cuda run_limited "${RACECHECK_SECONDS:-300}" "$OUT/racecheck.log" compute-sanitizer \
-    --tool racecheck --kernel-name kns=jax_kernels --error-exitcode 3 python3 scripts/sanitize_cases.py \
+    --tool racecheck --kernel-name kns=jax_kernels --error-exitcode 3 python3 tools/sanitize_cases.py \
     --dtypes "${RACECHECK_DTYPES:-float32,bfloat16}" $RACECHECK_OPS || status=1
   echo "racecheck: $(( $(date +%s) - start )) s"
 fi

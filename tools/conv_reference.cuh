@@ -1,5 +1,5 @@
 // float64 reference kernels of conv2d's forward, dgrad and wgrad for the standalone GPU checks
-// (scripts/conv_dense_check.cu, scripts/depthwise_check.cu): one output element per loop turn of
+// (tools/implicit_gemm_check.cu, tools/conv_direct_check.cu): one output element per loop turn of
 // a grid-stride loop, its sum in float64 over the direct definition (inputs of any dtype, read
 // through to_acc). Independent of the kernels under test: no tiles, no index maps but
 // ConvProblem's input_row / input_col.

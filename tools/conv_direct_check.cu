@@ -1,19 +1,12 @@
-// Standalone GPU check of the direct conv2d kernels (cpp/cuda/conv.cu): correctness of the
-// forward, dgrad and wgrad against a float64 reference over many geometries and every dtype,
-// bitwise determinism of the wgrad, and CUDA-event timings of the depthwise 7x7 benchmark case.
-// Not part of the build:
-//   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp/include -Icpp/cuda \
-//        -isystem $(python3 -c "import jax.ffi; print(jax.ffi.include_dir())") \
-//        -o depthwise_check scripts/depthwise_check.cu
-//   ./depthwise_check [bench|profile]   (bench: the timings only; profile: each benchmark pass
-//                                        once, for ncu)
-//   ./depthwise_check dump FILE          (raw forward/dgrad outputs of a few half-type cases,
-//                                        to compare two builds bitwise with cmp)
-// -DJK_DW_MMA_CHAINS=N sets the pipelined tensor-core stencil's interleaved mma chains (default
-// 2; 1, 2 or 4); scripts/depthwise_ab.sh compares such variants.
-#include "conv.cu"
-#include "conv_reference.cuh"
-
+// Standalone GPU check of the direct conv2d kernels (cpp/cuda/conv/direct.h: the stencils of the
+// forward and dgrad, the weight-gradient reductions), independent of the FFI handlers and of jax:
+// correctness of the forward, dgrad and wgrad against a float64 reference over many geometries and
+// every dtype, bitwise determinism of the wgrad, and CUDA-event timings of the depthwise 7x7
+// benchmark case. A CMake target that links the kernels (built on request):
+//   cmake --build <build dir> --target conv_direct_check && <build dir>/conv_direct_check
+//   ./conv_direct_check [bench|profile]   (bench: the timings only; profile: each benchmark pass
+//                                          once, for ncu)
+// Exit status 0 when every check passes.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -22,14 +15,9 @@
 #include <type_traits>
 #include <vector>
 
-namespace jax_kernels {
-// The tensor-core path is not linked: it declines every problem.
-int64_t conv2d_dense_scratch_bytes(const ConvQuery&) { return -1; }
-ffi::Error conv2d_dense(cudaStream_t, const ConvQuery&, const void*, const void*, const void*,
-                        void*, void*, int64_t) {
-  return ffi::Error::Internal("not linked");
-}
-}  // namespace jax_kernels
+#include "conv/direct.h"
+#include "conv_reference.cuh"
+#include "jax_kernels/conv.h"
 
 using namespace jax_kernels;
 
@@ -222,45 +210,7 @@ void benchmark(cudaStream_t stream, bool profile, double bandwidth) {
   cudaFree(scratch);
 }
 
-// Writes the raw bytes of the forward and dgrad outputs (fixed random inputs) of a few pipelined
-// tensor-core geometries to `path`, for a bitwise comparison of two builds (e.g.
-// -DJK_DW_MMA_CHAINS=1 against the default): `cmp` of their files.
-template <class T>
-void dump_outputs(cudaStream_t stream, FILE* f) {
-  const ConvProblem problems[] = {
-      problem(32, 384, 56, 56, 384, 7, 7, 1, 1, 3, 3, 1, 1, 384),  // the benchmark case
-      problem(2, 3, 64, 64, 3, 5, 5, 1, 1, 2, 2, 1, 1, 3),           // x_base even
-      problem(1, 2, 70, 136, 2, 5, 5, 1, 1, 2, 2, 1, 1, 2),          // two column tiles
-      problem(2, 3, 20, 64, 3, 7, 7, 1, 1, 0, 0, 1, 1, 3),           // fwd rows of 58
-      problem(2, 3, 20, 66, 3, 3, 3, 1, 1, 0, 0, 1, 1, 3),           // dgrad rows of 66
-      problem(40, 3, 8, 8, 3, 3, 3, 1, 1, 1, 1, 1, 1, 3),            // 4 planes per block
-  };
-  for (const ConvProblem& p : problems) {
-    Buffer<T> x(p.N * p.C * p.H * p.W), w(p.K * p.channels_per_group() * p.R * p.S);
-    Buffer<T> dy(p.N * p.K * p.P * p.Q), y(p.N * p.K * p.P * p.Q), dx(p.N * p.C * p.H * p.W);
-    x.random(4);
-    w.random(5);
-    dy.random(6);
-    forward(stream, x.device, w.device, y.device, p);
-    dgrad(stream, dy.device, w.device, dx.device, p);
-    CHECK(cudaStreamSynchronize(stream));
-    for (const auto& b : {y.bytes(), dx.bytes()}) fwrite(b.data(), 1, b.size(), f);
-  }
-}
-
 int main(int argc, char** argv) {
-  if (argc > 2 && std::strcmp(argv[1], "dump") == 0) {
-    cudaStream_t stream;
-    CHECK(cudaStreamCreate(&stream));
-    FILE* f = fopen(argv[2], "wb");
-    if (f == nullptr) return 1;
-    dump_outputs<bfloat16>(stream, f);
-    dump_outputs<float16>(stream, f);
-    fclose(f);
-    CHECK(cudaGetLastError());
-    printf("wrote %s\n", argv[2]);
-    return 0;
-  }
   const bool profile = argc > 1 && std::strcmp(argv[1], "profile") == 0;
   const bool timings_only = argc > 1 && std::strcmp(argv[1], "bench") == 0;
   cudaStream_t stream;

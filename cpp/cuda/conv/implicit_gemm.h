@@ -1,4 +1,4 @@
-// Interface of the tensor-core convolution path (CUTLASS implicit GEMM, conv_dense.cu) to the
+// Interface of the tensor-core convolution path (CUTLASS implicit GEMM, implicit_gemm.cu) to the
 // conv2d FFI handlers (conv.cu). Tensors are NCHW / KCRS / NKPQ in device memory; any layout
 // change happens inside, in the scratch buffer that XLA provides.
 #pragma once
@@ -14,15 +14,15 @@ namespace jax_kernels {
 
 // The scratch bytes the tensor-core path needs for this problem, or -1 if it does not take it
 // (also registered as host query "conv2d_dense_scratch", see conv.h).
-int64_t conv2d_dense_scratch_bytes(const ConvQuery& query);
+int64_t implicit_gemm_scratch_bytes(const ConvQuery& query);
 
 // Runs one pass on the stream, never synchronizing or allocating. Operands by pass:
 //   kForward:        a = input x [N,C,H,W],  b = weight w [K,C/g,R,S], out = y [N,K,P,Q];
 //                    bias is [K] or nullptr (added in the epilogue)
 //   kBackwardData:   a = dy [N,K,P,Q],       b = weight w,             out = dx [N,C,H,W]
 //   kBackwardWeight: a = dy [N,K,P,Q],       b = input x,              out = dw [K,C/g,R,S]
-// Must only be called when conv2d_dense_scratch_bytes(query) >= 0, with that much scratch.
-ffi::Error conv2d_dense(cudaStream_t stream, const ConvQuery& query, const void* a, const void* b,
+// Must only be called when implicit_gemm_scratch_bytes(query) >= 0, with that much scratch.
+ffi::Error implicit_gemm_conv2d(cudaStream_t stream, const ConvQuery& query, const void* a, const void* b,
                         const void* bias, void* out, void* scratch, int64_t scratch_bytes);
 
 // ---- Measurement hooks (scripts/conv_dense_check.cu; the FFI handlers do not use them) ----------
@@ -33,22 +33,22 @@ ffi::Error conv2d_dense(cudaStream_t stream, const ConvQuery& query, const void*
 //   CUTLASS:    the implicit GEMM (one launch per group) or the batched GEMM;
 //   layout out: NHWC route: the NHWC -> NCHW transpose of y or dx, or the wgrad split-K
 //               reduction into KCRS; GEMM route: the wgrad per-image reduction, else nothing.
-enum ConvDenseStep : unsigned {
-  kConvDenseLayoutIn = 1,
-  kConvDenseCutlass = 2,
-  kConvDenseLayoutOut = 4,
-  kConvDenseAllSteps = 7,
+enum ImplicitGemmStep : unsigned {
+  kImplicitGemmLayoutIn = 1,
+  kImplicitGemmCutlass = 2,
+  kImplicitGemmLayoutOut = 4,
+  kImplicitGemmAllSteps = 7,
 };
 
 // conv2d_dense restricted to the steps in the mask: the same plan, scratch regions and launches as
 // conv2d_dense makes for those steps, the others skipped. The output is only right with all
 // steps; the steps alone are for timing (a step reads what the previous one left in the scratch).
-ffi::Error conv2d_dense_steps(cudaStream_t stream, const ConvQuery& query, const void* a,
+ffi::Error implicit_gemm_steps(cudaStream_t stream, const ConvQuery& query, const void* a,
                               const void* b, const void* bias, void* out, void* scratch,
                               int64_t scratch_bytes, unsigned steps);
 
 // What the layout steps of a pass do, from its plan (false if the path declines the problem).
-struct ConvDenseLayoutInfo {
+struct ImplicitGemmLayoutInfo {
   bool nhwc_route = false;  // false: the GEMM route (1x1, stride 1, NCHW used as is)
   int in_launches = 0, out_launches = 0;  // kernel launches of each layout step (0 or 1)
   // Bytes the layout kernels of each step read plus write (each element once, zero padding
@@ -56,6 +56,6 @@ struct ConvDenseLayoutInfo {
   int64_t in_bytes = 0, out_bytes = 0;
   char in_what[64] = "", out_what[64] = "";  // e.g. "x to NHWC + weights", "y to NCHW"
 };
-bool conv2d_dense_layout_info(const ConvQuery& query, bool with_bias, ConvDenseLayoutInfo* info);
+bool implicit_gemm_layout_info(const ConvQuery& query, bool with_bias, ImplicitGemmLayoutInfo* info);
 
 }  // namespace jax_kernels

@@ -1,6 +1,6 @@
-// Internal interface between the tensor-core dispatcher (conv_dense.cu: planning, layout kernels)
-// and the CUTLASS instantiations (conv_dense_<math>.cu, one file per math mode so that they compile
-// in parallel). Only plain C++ types cross it; CUTLASS types stay inside conv_dense_cutlass.cuh.
+// Internal interface between the tensor-core dispatcher (implicit_gemm.cu: planning, layout kernels)
+// and the CUTLASS instantiations (implicit_gemm_<math>.cu, one file per math mode so that they compile
+// in parallel). Only plain C++ types cross it; CUTLASS types stay inside implicit_gemm_kernels.cuh.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,7 +10,7 @@
 #include "jax_kernels/ffi_util.h"
 
 namespace jax_kernels {
-namespace conv_dense {
+namespace implicit_gemm {
 
 // Element type and tensor-core instruction: half types multiply on f16/bf16 tensor cores, float32
 // on TF32 (kTF32) or on three TF32 products that recover float32 accuracy (kFloat32x3, CUTLASS's
@@ -86,5 +86,5 @@ ffi::Error run(const NhwcConv& conv, cudaStream_t stream);
 template <Math M>
 ffi::Error run(const BatchedGemm& gemm, cudaStream_t stream);
 
-}  // namespace conv_dense
+}  // namespace implicit_gemm
 }  // namespace jax_kernels

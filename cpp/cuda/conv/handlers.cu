@@ -1,0 +1,225 @@
+// The CUDA FFI handlers of conv2d and the choice of algorithm per pass. The forward, dgrad and
+// wgrad hand their problem to the tensor-core implicit GEMM (implicit_gemm.h, CUTLASS) when it
+// takes it, and otherwise run the direct kernels (direct.h), which take every problem; the bias
+// gradient is always a direct reduction. The choice depends on the problem's shape, dtype and
+// precision only (never on the device), and the host query "conv2d_scratch" makes it at trace
+// time with the same function (plan_conv) to size the scratch buffer.
+#include <cstdint>
+#include <string>
+
+#include "common/status.h"
+#include "conv/direct.h"
+#include "conv/implicit_gemm.h"
+#include "jax_kernels/conv.h"
+#include "jax_kernels/ffi_util.h"
+
+namespace jax_kernels {
+namespace {
+
+ConvDtype conv_dtype(ffi::DataType type) {
+  switch (type) {
+    case ffi::DataType::F16: return ConvDtype::kFloat16;
+    case ffi::DataType::BF16: return ConvDtype::kBFloat16;
+    case ffi::DataType::F32: return ConvDtype::kFloat32;
+    default: return ConvDtype::kFloat64;
+  }
+}
+
+bool empty_problem(const ConvProblem& p) {
+  return p.N == 0 || p.C == 0 || p.K == 0 || p.H == 0 || p.W == 0 || p.P == 0 || p.Q == 0;
+}
+
+// Which path runs a pass and the scratch bytes its handler must receive: the tensor-core path's
+// when it takes the problem, else the direct kernels' (partial sums of the wgrad).
+struct ConvPlan {
+  bool implicit_gemm;
+  int64_t scratch_bytes;
+};
+
+ConvPlan plan_conv(const ConvQuery& q) {
+  if (!empty_problem(q.problem)) {
+    const int64_t bytes = implicit_gemm_scratch_bytes(q);
+    if (bytes >= 0) return {true, bytes};
+  }
+  if (q.pass != ConvPass::kBackwardWeight) return {false, 0};
+  switch (q.dtype) {
+    case ConvDtype::kFloat16: return {false, wgrad_scratch_bytes<float16>(q.problem)};
+    case ConvDtype::kBFloat16: return {false, wgrad_scratch_bytes<bfloat16>(q.problem)};
+    case ConvDtype::kFloat32: return {false, wgrad_scratch_bytes<float>(q.problem)};
+    default: return {false, wgrad_scratch_bytes<double>(q.problem)};
+  }
+}
+
+// Host query "conv2d_scratch": the scratch bytes of a pass's handler. Arguments: `pass`
+// (ConvPass), `dtype` (ConvDtype), the targets' attributes (ConvAttrs: stride_h, stride_w,
+// pad_top, pad_left, dilation_h, dilation_w, groups, precision) and the extents N, C, H, W, K,
+// R, S, P, Q; -1 for a malformed problem.
+int64_t conv2d_scratch_query(const QueryArgs& a) {
+  const ConvProblem p{a["N"],        a["C"],        a["H"],          a["W"],
+                      a["K"],        a["R"],        a["S"],          a["P"],
+                      a["Q"],        a["stride_h"], a["stride_w"],   a["pad_top"],
+                      a["pad_left"], a["dilation_h"], a["dilation_w"], a["groups"]};
+  const ConvQuery query{ConvPass(a["pass"]), ConvDtype(a["dtype"]), ConvPrecision(a["precision"]),
+                        p};
+  if (p.groups <= 0 || p.C % p.groups != 0 || p.K % p.groups != 0 || p.stride_h <= 0 ||
+      p.stride_w <= 0 || p.dilation_h <= 0 || p.dilation_w <= 0)
+    return -1;
+  return plan_conv(query).scratch_bytes;
+}
+
+ConvQuery make_query(ConvPass pass, ffi::DataType type, const ConvAttrs& a, const ConvProblem& p) {
+  return ConvQuery{pass, conv_dtype(type), ConvPrecision(a.precision), p};
+}
+
+// Runs the tensor-core path when it takes the problem; `*handled` tells whether it did.
+ffi::Error try_implicit_gemm(cudaStream_t stream, const ConvQuery& q, const void* a,
+                             const void* b, const void* bias, void* out,
+                             ffi::Result<ffi::AnyBuffer>& scratch, bool* handled) {
+  const ConvPlan plan = plan_conv(q);
+  *handled = plan.implicit_gemm;
+  if (!plan.implicit_gemm) return ffi::Error::Success();
+  if (int64_t(scratch->size_bytes()) < plan.scratch_bytes)
+    return ffi::Error::InvalidArgument("conv2d: scratch buffer too small for the tensor-core path");
+  return implicit_gemm_conv2d(stream, q, a, b, bias, out, scratch->untyped_data(),
+                              int64_t(scratch->size_bytes()));
+}
+
+ffi::Error conv2d_forward(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                          ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
+                          ffi::Result<ffi::AnyBuffer> scratch, ConvAttrs a) {
+  ConvProblem p{};
+  if (auto error = conv2d_problem("conv2d", a, x, w, *y, &p); error.failure()) return error;
+  if (auto error = conv2d_bias_check(bias, x, p.K); error.failure()) return error;
+  if (y->element_count() == 0) return ffi::Error::Success();
+  const void* bias_data = bias.element_count() > 0 ? bias.untyped_data() : nullptr;
+  bool done = false;
+  if (auto error = try_implicit_gemm(stream, make_query(ConvPass::kForward, x.element_type(), a, p),
+                                     x.untyped_data(), w.untyped_data(), bias_data,
+                                     y->untyped_data(), scratch, &done);
+      error.failure() || done)
+    return error;
+  return dispatch_float(x.element_type(), "conv2d", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return run_stencil<T>(stream, "conv2d", static_cast<const T*>(x.untyped_data()),
+                          static_cast<const T*>(w.untyped_data()), static_cast<const T*>(bias_data),
+                          static_cast<T*>(y->untyped_data()), forward_grid(p));
+  });
+}
+
+ffi::Error conv2d_backward_input(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer w,
+                                 ffi::Result<ffi::AnyBuffer> dx,
+                                 ffi::Result<ffi::AnyBuffer> scratch, ConvAttrs a) {
+  ConvProblem p{};
+  if (auto error = conv2d_problem("conv2d dgrad", a, *dx, w, dy, &p); error.failure())
+    return error;
+  if (dx->element_count() == 0) return ffi::Error::Success();
+  bool done = false;
+  if (auto error =
+          try_implicit_gemm(stream, make_query(ConvPass::kBackwardData, dy.element_type(), a, p),
+                            dy.untyped_data(), w.untyped_data(), nullptr, dx->untyped_data(),
+                            scratch, &done);
+      error.failure() || done)
+    return error;
+  return dispatch_float(dy.element_type(), "conv2d dgrad", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return run_stencil<T>(stream, "conv2d dgrad", static_cast<const T*>(dy.untyped_data()),
+                          static_cast<const T*>(w.untyped_data()), nullptr,
+                          static_cast<T*>(dx->untyped_data()), backward_data_grid(p));
+  });
+}
+
+ffi::Error conv2d_backward_weight(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                                  ffi::Result<ffi::AnyBuffer> dw,
+                                  ffi::Result<ffi::AnyBuffer> scratch, ConvAttrs a) {
+  ConvProblem p{};
+  if (auto error = conv2d_problem("conv2d wgrad", a, x, *dw, dy, &p); error.failure())
+    return error;
+  if (dw->element_count() == 0) return ffi::Error::Success();
+  bool done = false;
+  if (auto error =
+          try_implicit_gemm(stream, make_query(ConvPass::kBackwardWeight, dy.element_type(), a, p),
+                            dy.untyped_data(), x.untyped_data(), nullptr, dw->untyped_data(),
+                            scratch, &done);
+      error.failure() || done)
+    return error;
+  return dispatch_float(dy.element_type(), "conv2d wgrad", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return run_wgrad<T>(stream, static_cast<const T*>(dy.untyped_data()),
+                        static_cast<const T*>(x.untyped_data()),
+                        static_cast<T*>(dw->untyped_data()), p, scratch->untyped_data(),
+                        int64_t(scratch->size_bytes()));
+  });
+}
+
+ffi::Error conv2d_backward_bias(cudaStream_t stream, ffi::AnyBuffer dy,
+                                ffi::Result<ffi::AnyBuffer> db) {
+  int64_t batch, N, K, plane;
+  if (auto error = conv2d_bias_gradient_shape(dy, *db, &batch, &N, &K, &plane); error.failure())
+    return error;
+  if (db->element_count() == 0) return ffi::Error::Success();
+  return dispatch_float(dy.element_type(), "conv2d bias gradient", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return run_bias_gradient<T>(stream, static_cast<const T*>(dy.untyped_data()),
+                                static_cast<T*>(db->untyped_data()), batch * K, N, K, plane);
+  });
+}
+
+using Stream = ffi::PlatformStream<cudaStream_t>;
+
+}  // namespace
+}  // namespace jax_kernels
+
+JK_CONV2D_REGISTER_ATTRS();
+
+namespace jax_kernels {
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Conv2dForwardCuda, conv2d_forward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attrs<ConvAttrs>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Conv2dBackwardInputCuda, conv2d_backward_input,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attrs<ConvAttrs>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Conv2dBackwardWeightCuda, conv2d_backward_weight,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attrs<ConvAttrs>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Conv2dBackwardBiasCuda, conv2d_backward_bias,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+JK_REGISTER_TARGET("jk_conv2d_fwd", Conv2dForwardCuda, "conv2d", "forward",
+                   "cuda tensor-core implicit GEMM where it applies, else direct stencil",
+                   "bitwise");
+JK_REGISTER_TARGET("jk_conv2d_bwd_input", Conv2dBackwardInputCuda, "conv2d", "backward d_input",
+                   "cuda tensor-core implicit GEMM where it applies, else direct stencil",
+                   "bitwise");
+JK_REGISTER_TARGET("jk_conv2d_bwd_weight", Conv2dBackwardWeightCuda, "conv2d",
+                   "backward d_weight",
+                   "cuda tensor-core implicit GEMM where it applies, else two-pass reduction",
+                   "bitwise");
+JK_REGISTER_TARGET("jk_conv2d_bwd_bias", Conv2dBackwardBiasCuda, "conv2d", "backward d_bias",
+                   "cuda ordered block reduction", "bitwise");
+JK_REGISTER_QUERY("conv2d_scratch", conv2d_scratch_query);
+
+}  // namespace jax_kernels
