@@ -530,11 +530,12 @@ bool atomic_backward_input(bool deterministic, int64_t element_bytes) {
 // its indices do not fit the 32-bit sort. Arguments: the folded call's N, C, H, W, `boxes` (K),
 // pooled_height, pooled_width, sampling_ratio, element_bytes and deterministic.
 int64_t backward_input_scratch_query(const QueryArgs& a) {
-  if (atomic_backward_input(a["deterministic"] != 0, a["element_bytes"])) return 0;
+  const int64_t N = a["N"], C = a["C"], H = a["H"], W = a["W"], K = a["boxes"];
+  const int64_t PH = a["pooled_height"], PW = a["pooled_width"], ratio = a["sampling_ratio"];
+  const int64_t element_bytes = a["element_bytes"];
+  if (atomic_backward_input(a["deterministic"] != 0, element_bytes)) return 0;
   GatherLayout s;
-  if (!gather_layout(a["N"], a["C"], a["H"], a["W"], a["boxes"], a["pooled_height"],
-                     a["pooled_width"], a["sampling_ratio"], a["element_bytes"], &s))
-    return -1;
+  if (!gather_layout(N, C, H, W, K, PH, PW, ratio, element_bytes, &s)) return -1;
   return s.total;
 }
 

@@ -63,7 +63,8 @@ struct TargetRegistrar {
 
 // The arguments of a host query, by name: Python calls query(name, {argument: int}), so no side
 // depends on an argument order. Reading a name that was not passed throws std::invalid_argument
-// (a Python ValueError); so does passing a name the query never reads (checked after it ran).
+// (a Python ValueError); so does passing a name the query never reads (checked after it ran: a
+// query reads all its arguments before it may return early).
 class QueryArgs {
  public:
   explicit QueryArgs(const std::map<std::string, int64_t>& values) : values_(values) {}
