@@ -1,5 +1,6 @@
 """The package's plumbing: both native modules register the same target names, capabilities()
-describes what was built, and the float16/bfloat16 conversions of the kernels round like
+describes what was built, enum codes and host queries cross the FFI boundary by name, and the
+float16/bfloat16 conversions of the kernels round like
 NumPy/ml_dtypes (round to nearest even, subnormals, overflow, NaN)."""
 
 from __future__ import annotations
@@ -35,6 +36,31 @@ def test_capabilities_table():
     text = str(table)
     assert text.splitlines()[0].split() == ["op", "pass", "dtype", "platform", "deterministic", "accumulator", "backend"]
     assert len(text.splitlines()) == len(table) + 2
+
+
+def test_enum_codes_come_from_the_native_module():
+    assert set(_ffi.ENUMS) == {"GridSampleMode", "GridSamplePadding", "ConvPass", "ConvPrecision",
+                               "ConvDtype"}
+    assert _ffi.ENUMS["ConvDtype"] == {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
+    # grid_sample's codes are torch's (ATen's GridSamplerInterpolation / GridSamplerPadding).
+    torch_functional = pytest.importorskip("torch.nn.functional")
+    assert _ffi.ENUMS["GridSampleMode"] == torch_functional.GRID_SAMPLE_INTERPOLATION_MODES
+    assert _ffi.ENUMS["GridSamplePadding"] == torch_functional.GRID_SAMPLE_PADDING_MODES
+
+
+@pytest.mark.skipif(not _ffi.CUDA_BUILT, reason="host queries live in the CUDA module")
+def test_host_queries_take_named_arguments():
+    args = dict(batch=2, points=100, cells=64, dims=2, mode=_ffi.ENUMS["GridSampleMode"]["bilinear"],
+                element_bytes=4)
+    deterministic = _ffi.query("grid_sample_bwd_input_scratch", deterministic=1, **args)
+    assert deterministic > 2 * 100 * 4 * 4  # at least the entries' keys and weights
+    assert _ffi.query("grid_sample_bwd_input_scratch", deterministic=0, **args) == 0  # atomics
+    with pytest.raises(ValueError, match="missing query argument 'deterministic'"):
+        _ffi.query("grid_sample_bwd_input_scratch", **args)
+    with pytest.raises(ValueError, match="takes no argument 'channels'"):
+        _ffi.query("grid_sample_bwd_input_scratch", deterministic=1, channels=3, **args)
+    with pytest.raises(ValueError, match="no host query named"):
+        _ffi.query("no_such_query")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: np.dtype(d).name)
