@@ -1,5 +1,5 @@
 // Interface of the tensor-core convolution path (CUTLASS implicit GEMM, implicit_gemm.cu) to the
-// conv2d FFI handlers (conv.cu). Tensors are NCHW / KCRS / NKPQ in device memory; any layout
+// conv2d FFI handlers (handlers.cu). Tensors are NCHW / KCRS / NKPQ in device memory; any layout
 // change happens inside, in the scratch buffer that XLA provides.
 #pragma once
 
@@ -12,8 +12,7 @@
 
 namespace jax_kernels {
 
-// The scratch bytes the tensor-core path needs for this problem, or -1 if it does not take it
-// (also registered as host query "conv2d_dense_scratch", see conv.h).
+// The scratch bytes the tensor-core path needs for this problem, or -1 if it does not take it.
 int64_t implicit_gemm_scratch_bytes(const ConvQuery& query);
 
 // Runs one pass on the stream, never synchronizing or allocating. Operands by pass:

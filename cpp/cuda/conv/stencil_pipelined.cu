@@ -15,48 +15,6 @@
 namespace jax_kernels {
 namespace {
 
-// A thread's share of staging `parts` tiles of tile_rows x `vectors` 16-byte vectors at once
-// (split_block's split, then stage_tile_vectors' columns x rows), fixed for the whole kernel.
-struct AsyncStager {
-  int part;                   // the tile this thread stages (>= parts: none)
-  int first_row, row_step;    // rows first_row, + row_step, ...
-  int first_vec, vec_step;    // vectors first_vec, + vec_step, ...
-};
-
-__device__ __forceinline__ AsyncStager make_stager(int parts, int vectors) {
-  AsyncStager st;
-  const int threads = int(blockDim.x) / parts;
-  st.part = int(threadIdx.x) / threads;
-  const int tid = int(threadIdx.x) - st.part * threads;
-  const int col_threads = min(threads, vectors), row_threads = threads / col_threads;
-  if (tid >= col_threads * row_threads) st.part = parts;  // idle
-  st.first_row = tid / col_threads;
-  st.first_vec = tid - st.first_row * col_threads;
-  st.row_step = row_threads;
-  st.vec_step = col_threads;
-  return st;
-}
-
-// This thread's cp.async copies of one tile (see stage_tile_async).
-template <class T>
-__device__ __forceinline__ void stage_async(const AsyncStager& st, T* tile,
-                                            const T* __restrict__ source, int height, int width,
-                                            int u0, int v0, int tile_rows, int vectors,
-                                            int pitch) {
-  constexpr int kVector = 16 / int(sizeof(T));
-  for (int j = st.first_vec; j < vectors; j += st.vec_step) {
-    const int col = v0 + j * kVector;
-    const bool inside = col >= 0 && col < width;
-    const T* src = source + (inside ? col : 0);
-    T* dst = tile + j * kVector;
-    for (int a = st.first_row; a < tile_rows; a += st.row_step) {
-      const int u = u0 + a;
-      const bool in = inside && unsigned(u) < unsigned(height);
-      cp_async_16(dst + a * pitch, in ? src + int64_t(u) * width : source, in);
-    }
-  }
-}
-
 // Where item b of a stencil grid lies: its first plane and the origin of its output tile.
 struct StencilItem {
   int first_plane, y0, x0;

@@ -255,7 +255,58 @@ __device__ __forceinline__ void cp_async_wait_one() {
   asm volatile("cp.async.wait_group 1;\n" ::: "memory");
 }
 
-// stage_tile_vectors with cp.async: the vectors of the tile are queued, not waited for.
+// A thread's share of staging tiles of tile_rows x `vectors` 16-byte vectors with cp.async
+// (stage_tile_vectors' split: consecutive threads take consecutive vectors of a row, then rows).
+struct AsyncStager {
+  int part;                   // the tile this thread stages (>= the tiles: none)
+  int first_row, row_step;    // rows first_row, + row_step, ...
+  int first_vec, vec_step;    // vectors first_vec, + vec_step, ...
+};
+
+// The share of thread tid of `threads` staging one tile: part 0, or 1 if it idles.
+__device__ __forceinline__ AsyncStager stager_of(int tid, int threads, int vectors) {
+  AsyncStager st;
+  const int col_threads = min(threads, vectors), row_threads = threads / col_threads;
+  st.part = tid < col_threads * row_threads ? 0 : 1;
+  st.first_row = tid / col_threads;
+  st.first_vec = tid - st.first_row * col_threads;
+  st.row_step = row_threads;
+  st.vec_step = col_threads;
+  return st;
+}
+
+// This thread's share of staging `parts` tiles at once (split_block's split, then stager_of),
+// fixed for a whole persistent kernel.
+__device__ __forceinline__ AsyncStager make_stager(int parts, int vectors) {
+  const int threads = int(blockDim.x) / parts, part = int(threadIdx.x) / threads;
+  AsyncStager st = stager_of(int(threadIdx.x) - part * threads, threads, vectors);
+  st.part = st.part == 0 ? part : parts;
+  return st;
+}
+
+// This thread's cp.async copies of one tile: element (a, c) of `tile` (row pitch `pitch`) is the
+// source at (u0 + a, v0 + c), zero outside (whole vectors are inside or outside); queued, not
+// waited for.
+template <class T>
+__device__ __forceinline__ void stage_async(const AsyncStager& st, T* tile,
+                                            const T* __restrict__ source, int height, int width,
+                                            int u0, int v0, int tile_rows, int vectors,
+                                            int pitch) {
+  constexpr int kVector = 16 / int(sizeof(T));
+  for (int j = st.first_vec; j < vectors; j += st.vec_step) {
+    const int col = v0 + j * kVector;
+    const bool inside = col >= 0 && col < width;
+    const T* src = source + (inside ? col : 0);
+    T* dst = tile + j * kVector;
+    for (int a = st.first_row; a < tile_rows; a += st.row_step) {
+      const int u = u0 + a;
+      const bool in = inside && unsigned(u) < unsigned(height);
+      cp_async_16(dst + a * pitch, in ? src + int64_t(u) * width : source, in);
+    }
+  }
+}
+
+// stage_tile_vectors with cp.async, by thread tid of `threads`.
 template <class T>
 __device__ __forceinline__ void stage_tile_async(T* tile, const T* __restrict__ source,
                                                  int height, int width, int u0, int v0,
@@ -263,20 +314,8 @@ __device__ __forceinline__ void stage_tile_async(T* tile, const T* __restrict__ 
                                                  int threads) {
   constexpr int kVector = 16 / int(sizeof(T));
   const int vectors = (tile_cols + kVector - 1) / kVector;
-  const int col_threads = min(threads, vectors), row_threads = threads / col_threads;
-  if (tid >= col_threads * row_threads) return;
-  const int first_row = tid / col_threads;
-  for (int j = tid - first_row * col_threads; j < vectors; j += col_threads) {
-    const int col = v0 + j * kVector;
-    const bool inside = col >= 0 && col < width;  // whole vectors are inside or outside
-    const T* src = source + (inside ? col : 0);
-    T* dst = tile + j * kVector;
-    for (int a = first_row; a < tile_rows; a += row_threads) {
-      const int u = u0 + a;
-      const bool in = inside && unsigned(u) < unsigned(height);
-      cp_async_16(dst + a * pitch, in ? src + int64_t(u) * width : source, in);
-    }
-  }
+  const AsyncStager st = stager_of(tid, threads, vectors);
+  if (st.part == 0) stage_async(st, tile, source, height, width, u0, v0, tile_rows, vectors, pitch);
 }
 
 }  // namespace jax_kernels

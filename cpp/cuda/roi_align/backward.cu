@@ -1,18 +1,5 @@
-// CUDA FFI handlers of roi_align.
-//
-// Channel slabs: the forward and the deterministic input gradient read channels through groups of
-// lanes (32, fewer when C < 32) that take a slab of up to 256 channels (1 KB per cell), each lane
-// a few channels (float4 loads for float32 when C % 4 == 0). A group computes the geometry of a
-// bin, or the entries of a cell, once for the whole slab, and every load of the group reads
-// consecutive channels. Both passes first stage the data they read channel-minor in scratch
-// memory that XLA provides: the input as NHWC, the output gradient as [K, bins, C] (tiled
-// transposes).
-//
-// Forward: the boxes are sorted by image and center row (CUB), then one block per (slab, box,
-// tile of bins) in that order, so the blocks in flight read a few image rows of the staged input
-// (kept in L2). The block finds the candidate samples of its bin rows and columns once; a group
-// per bin sums the bin's samples in for_each_bin_sample's order; the block stages its outputs in
-// shared memory and writes them as contiguous runs.
+// The CUDA backward of roi_align: the box gradient and the input gradient (the math is in
+// roi_align.h; channel slabs and the staging transpose in channel_slabs.cuh).
 //
 // Box gradient: one block per box; thread j takes the items (bin, 16 channels) j, j + 256, ...
 // and reduces over the block in a fixed order, so it is deterministic without atomics.
@@ -28,17 +15,14 @@
 //      entry and adds the hits' input_gradient_term in entry order, then column-bin order.
 // Every sum has an order that depends only on the data, so d_input is bitwise reproducible.
 // Scratch (staged output gradient, entries, keys, values, offsets, CUB temp storage) comes from
-// XLA as an extra result sized by the host query "roi_align_backward_input_scratch" (the
-// forward's: "roi_align_forward_scratch").
+// XLA as an extra result sized by the host query "roi_align_backward_input_scratch".
 //
 // Input gradient, deterministic=False (float32/float64 only): per (box, bin, 16 channels), the
 // samples' weight * dout added with atomicAdd.
-
 #include <algorithm>
 #include <cstdint>
 #include <string>
 #include <type_traits>
-#include <vector>
 
 #include "common/launch.h"
 #include "common/radix_sort.cuh"
@@ -46,279 +30,15 @@
 #include "common/status.h"
 #include "jax_kernels/ffi_util.h"
 #include "jax_kernels/roi_align.h"
+#include "roi_align/channel_slabs.cuh"
 
 JK_ROI_ALIGN_REGISTER_ATTRS();
 
 namespace jax_kernels {
 namespace {
 
-constexpr int kThreads = 256;
 constexpr int kChannels = 16;  // channels per thread of the box gradient and the atomic path
-constexpr int kMaxPerLane = 8;
-// Channels of a slab: 1 KB of each cell (256 float32 channels, 128 float64, at most 256), so that
-// the sample geometry of a bin (forward) or the entry scan of a cell (gather) is shared by that
-// many channels.
-constexpr int64_t kSlabBytes = 1024;
-template <class T>
-constexpr int64_t slab_channels() {
-  return std::min<int64_t>(kMaxPerLane * 32, kSlabBytes / int64_t(sizeof(T)));
-}
-constexpr int64_t kForwardTileBytes = 24 << 10;  // shared memory of a forward block's outputs
-constexpr int64_t kGatherTileBytes = 48 << 10;   // and of a gather block's
-constexpr int64_t kSharedAlign = 256;  // alignment of the regions of a block's shared memory
-
-// ---- channel slabs ---------------------------------------------------------------------------
-
-struct ChannelSlabs {
-  int lanes;     // lanes per channel group: 32, or the smallest power of two >= C below that
-  int per_lane;  // channels per lane: 1, 2, 4 or 8
-  int64_t slab;  // channels per slab: lanes * per_lane
-  int64_t slabs;
-};
-
-// Slabs of about `target` channels (at least a group's lanes, at most kMaxPerLane per lane).
-ChannelSlabs channel_slabs(int64_t C, int64_t target) {
-  ChannelSlabs s;
-  s.lanes = 32;
-  while (s.lanes > 1 && s.lanes / 2 >= C) s.lanes /= 2;
-  const int64_t wanted = std::min(std::max<int64_t>(target, s.lanes), std::max<int64_t>(C, 1));
-  s.per_lane = 1;
-  while (s.per_lane < kMaxPerLane && s.lanes * s.per_lane < wanted) s.per_lane *= 2;
-  s.slab = int64_t(s.lanes) * s.per_lane;
-  s.slabs = (C + s.slab - 1) / s.slab;
-  return s;
-}
-
-// A lane loads kVec consecutive channels at a time (float4 for float32 when C % 4 == 0, else 1):
-// value u of a lane is channel slab_channel(u) of the slab.
-template <int kVec>
-__device__ __forceinline__ int slab_channel(int u, int lanes, int lane) {
-  return (u / kVec) * lanes * kVec + lane * kVec + u % kVec;
-}
-
-// The lane's kPerLane values of the slab whose first channel is at `at` (zero past `channels`).
-template <class T, int kPerLane, int kVec>
-__device__ __forceinline__ void load_slab(const T* __restrict__ at, int lanes, int lane,
-                                          int channels, T (&values)[kPerLane]) {
-  if constexpr (kVec == 4) {
-#pragma unroll
-    for (int g = 0; g < kPerLane / 4; ++g) {
-      const int c = (g * lanes + lane) * 4;
-      const float4 q = c < channels ? *reinterpret_cast<const float4*>(at + c)
-                                    : make_float4(0.f, 0.f, 0.f, 0.f);
-      values[4 * g] = q.x;
-      values[4 * g + 1] = q.y;
-      values[4 * g + 2] = q.z;
-      values[4 * g + 3] = q.w;
-    }
-  } else {
-#pragma unroll
-    for (int u = 0; u < kPerLane; ++u) {
-      const int c = u * lanes + lane;
-      values[u] = c < channels ? at[c] : T{};
-    }
-  }
-}
-
-// Calls f(per_lane, vec, index) with the compile-time shape of a slab kernel: channels per lane,
-// channels per load (4 only for float32 with `vector`), and 32- or 64-bit offsets (`narrow`).
-template <class T, class F>
-void with_slab_kernel(const ChannelSlabs& slabs, bool vector, bool narrow, F&& f) {
-  auto with_index = [&](auto per_lane, auto vec) {
-    if (narrow)
-      f(per_lane, vec, int32_t{});
-    else
-      f(per_lane, vec, int64_t{});
-  };
-  auto with_vec = [&](auto per_lane) {
-    if constexpr (std::is_same_v<T, float> && decltype(per_lane)::value % 4 == 0) {
-      if (vector) return with_index(per_lane, std::integral_constant<int, 4>{});
-    }
-    with_index(per_lane, std::integral_constant<int, 1>{});
-  };
-  switch (slabs.per_lane) {
-    case 1:
-      return with_vec(std::integral_constant<int, 1>{});
-    case 2:
-      return with_vec(std::integral_constant<int, 2>{});
-    case 4:
-      return with_vec(std::integral_constant<int, 4>{});
-    default:
-      return with_vec(std::integral_constant<int, kMaxPerLane>{});
-  }
-}
-
-// ---- staging: batched transpose ---------------------------------------------------------------
-
-// out[b][j][i] = in[b][i][j] for `batch` matrices of rows x cols, through 64 x 32 shared tiles
-// (8 loads in flight per thread): blocks of 32 x 8 threads, blockIdx.x the column tile,
-// blockIdx.y (strided) the (matrix, row tile).
-template <class T, class Index>
-__global__ void __launch_bounds__(kThreads)
-    roi_align_transpose_kernel(const T* __restrict__ in, T* __restrict__ out, Index rows,
-                               Index cols, Index row_tiles, Index row_tiles_total) {
-  __shared__ T tile[64][33];
-  const Index j0 = Index(blockIdx.x) * 32;
-  for (Index y = blockIdx.y; y < row_tiles_total; y += gridDim.y) {
-    const Index matrix = y / row_tiles, i0 = (y - matrix * row_tiles) * 64;
-    const T* src = in + matrix * rows * cols;
-    T* dst = out + matrix * rows * cols;
-#pragma unroll
-    for (int r = threadIdx.y; r < 64; r += 8) {
-      const Index i = i0 + r, j = j0 + threadIdx.x;
-      if (i < rows && j < cols) tile[r][threadIdx.x] = src[i * cols + j];
-    }
-    __syncthreads();
-#pragma unroll
-    for (int r = threadIdx.y; r < 32; r += 8) {
-#pragma unroll
-      for (int half = 0; half < 64; half += 32) {
-        const Index j = j0 + r, i = i0 + half + threadIdx.x;
-        if (i < rows && j < cols) dst[j * rows + i] = tile[half + threadIdx.x][r];
-      }
-    }
-    __syncthreads();
-  }
-}
-
-template <class T>
-void transpose(const T* in, T* out, int64_t batch, int64_t rows, int64_t cols,
-               cudaStream_t stream) {
-  const int64_t row_tiles = (rows + 63) / 64, col_tiles = (cols + 31) / 32;
-  if (batch * row_tiles * col_tiles == 0) return;
-  const dim3 grid(unsigned(col_tiles), unsigned(std::min<int64_t>(batch * row_tiles, 65535)));
-  if (batch * rows * cols < (int64_t(1) << 31))
-    roi_align_transpose_kernel<T, int32_t><<<grid, dim3(32, 8), 0, stream>>>(
-        in, out, int32_t(rows), int32_t(cols), int32_t(row_tiles), int32_t(batch * row_tiles));
-  else
-    roi_align_transpose_kernel<T, int64_t><<<grid, dim3(32, 8), 0, stream>>>(
-        in, out, rows, cols, row_tiles, batch * row_tiles);
-}
-
-// ---- forward -----------------------------------------------------------------------------------
-
-// A forward block item covers a tile of at most kMaxTileBins of the box's bins: whole bin rows
-// when a row fits, else part of one row.
-constexpr int64_t kMaxTileBins = 256;
-
-// The candidate samples [first, last) of one bin row or column.
-struct CandidateRange {
-  int64_t first, last;
-};
-
-struct ForwardLaunch {
-  ChannelSlabs slabs;
-  int64_t row_tiles;   // tiles per bin row: 1 when a tile holds whole rows
-  int64_t tile_rows;   // bin rows per tile (1 when row_tiles > 1)
-  int64_t tile_cols;   // bins per tile along a row (PW when row_tiles == 1)
-  int64_t tiles;       // tiles per box
-  int64_t tile_stride;  // shared-memory row of a channel's outputs
-  int64_t ranges_at, shared_bytes;  // shared memory: outputs, then candidate ranges
-};
-
-template <class T>
-ForwardLaunch forward_launch(const RoiAlignProblem& p) {
-  ForwardLaunch l;
-  l.slabs = channel_slabs(p.C, slab_channels<T>());
-  const int64_t most = std::min<int64_t>(
-      kMaxTileBins, std::max<int64_t>(1, kForwardTileBytes / (l.slabs.slab * int64_t(sizeof(T)))));
-  if (p.PW <= most) {  // tiles of even numbers of whole rows
-    l.row_tiles = 1;
-    l.tiles = (p.PH + most / p.PW - 1) / (most / p.PW);
-    l.tile_rows = (p.PH + l.tiles - 1) / l.tiles;
-    l.tile_cols = p.PW;
-  } else {
-    l.row_tiles = (p.PW + most - 1) / most;
-    l.tile_rows = 1;
-    l.tile_cols = (p.PW + l.row_tiles - 1) / l.row_tiles;
-    l.tiles = p.PH * l.row_tiles;
-  }
-  l.tile_stride = (l.tile_rows * l.tile_cols) | 1;  // odd: a group's lanes store to distinct banks
-  l.ranges_at = round_up(l.slabs.slab * l.tile_stride * int64_t(sizeof(T)), kSharedAlign);
-  l.shared_bytes = l.ranges_at + (l.tile_rows + l.tile_cols) * int64_t(sizeof(CandidateRange));
-  return l;
-}
-
-// Block item i = (slab, box in sorted order, tile of bins), slabs slowest, so that the blocks in
-// flight read a slab of the staged input around a few image rows. The block first finds the
-// candidate samples of the tile's bin rows and columns; then a group takes one bin at a time and
-// sums its samples in for_each_bin_sample's order, its lanes loading the slab's channels of each
-// tap.
-template <class T, int kPerLane, int kVec, class Index>
-__global__ void __launch_bounds__(kThreads, 2)
-    roi_align_forward_kernel(const T* __restrict__ nhwc, const T* __restrict__ boxes,
-                             const uint32_t* __restrict__ order, T* __restrict__ out,
-                             RoiAlignProblem p, ForwardLaunch l) {
-  using A = acc_t<T>;
-  extern __shared__ __align__(16) unsigned char shared_bytes[];
-  T* tile = reinterpret_cast<T*>(shared_bytes);
-  CandidateRange* ranges = reinterpret_cast<CandidateRange*>(shared_bytes + l.ranges_at);
-  const int lanes = l.slabs.lanes;
-  const int lane = threadIdx.x % lanes, group = threadIdx.x / lanes, groups = blockDim.x / lanes;
-  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  const int64_t bins = p.bins(), items = l.slabs.slabs * p.K * l.tiles;
-  const Index W = Index(p.W), C = Index(p.C);
-  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const int64_t tile_index = item % l.tiles, rest = item / l.tiles;
-    const int64_t k = order[rest % p.K], c0 = (rest / p.K) * l.slabs.slab;
-    const int channels = int(min(l.slabs.slab, p.C - c0));
-    int64_t ph0 = tile_index * l.tile_rows, pw0 = 0;
-    if (l.row_tiles > 1) {
-      ph0 = tile_index / l.row_tiles;
-      pw0 = (tile_index - ph0 * l.row_tiles) * l.tile_cols;
-    }
-    const int rows = int(min(l.tile_rows, p.PH - ph0)), cols = int(min(l.tile_cols, p.PW - pw0));
-    const RoiBox<A> box = roi_box(boxes, k, p);
-    for (int i = threadIdx.x; i < rows + cols; i += blockDim.x) {
-      CandidateRange& range = ranges[i];
-      if (i < rows)
-        bin_candidates(box.y, ph0 + i, p.H, &range.first, &range.last);
-      else
-        bin_candidates(box.x, pw0 + i - rows, p.W, &range.first, &range.last);
-    }
-    __syncthreads();
-    const T* image = nhwc + max(box.image, int64_t(0)) * p.H * p.W * p.C + c0;
-    for (int b = group; b < rows * cols; b += groups) {
-      A acc[kPerLane];
-#pragma unroll
-      for (int u = 0; u < kPerLane; ++u) acc[u] = A(0);
-      const int r = b / cols, c = b - r * cols;
-      const BinCandidates candidates{ph0 + r, pw0 + c, ranges[r].first, ranges[r].last,
-                                     ranges[rows + c].first, ranges[rows + c].last};
-      if (box.image >= 0)
-        for_each_bin_sample(box, candidates, p, [&](int64_t, const AxisSample<A>& sy, int64_t,
-                                                    const AxisSample<A>& sx) {
-          const BilinearTaps<A> taps = bilinear_taps(sy, sx, p.W);
-          const Index low = Index(sy.low) * W, high = Index(sy.high) * W;
-          T values[4][kPerLane];
-          load_slab<T, kPerLane, kVec>(image + (low + Index(sx.low)) * C, lanes, lane, channels,
-                                       values[0]);
-          load_slab<T, kPerLane, kVec>(image + (low + Index(sx.high)) * C, lanes, lane, channels,
-                                       values[1]);
-          load_slab<T, kPerLane, kVec>(image + (high + Index(sx.low)) * C, lanes, lane, channels,
-                                       values[2]);
-          load_slab<T, kPerLane, kVec>(image + (high + Index(sx.high)) * C, lanes, lane,
-                                       channels, values[3]);
-#pragma unroll
-          for (int u = 0; u < kPerLane; ++u)  // BilinearTaps::value's order of operations
-            acc[u] += taps.w1 * to_acc(values[0][u]) + taps.w2 * to_acc(values[1][u]) +
-                      taps.w3 * to_acc(values[2][u]) + taps.w4 * to_acc(values[3][u]);
-        });
-#pragma unroll
-      for (int u = 0; u < kPerLane; ++u) {
-        const int channel = slab_channel<kVec>(u, lanes, lane);
-        if (channel < channels) tile[channel * l.tile_stride + b] = from_acc<T>(acc[u] / box.count);
-      }
-    }
-    __syncthreads();
-    // The tile's bins are consecutive: whole rows, or part of one row.
-    T* o = out + (k * p.C + c0) * bins + ph0 * p.PW + pw0;
-    for (int channel = warp; channel < channels; channel += warps)
-      for (int b = threadIdx.x % 32; b < rows * cols; b += 32)
-        o[channel * bins + b] = tile[channel * l.tile_stride + b];
-    __syncthreads();  // the tile and the ranges are rewritten for the next item
-  }
-}
+constexpr int64_t kGatherTileBytes = 48 << 10;  // shared memory of a gather block
 
 // ---- atomic input gradient and box gradient -----------------------------------------------------
 
@@ -436,48 +156,6 @@ int64_t axis_pair_capacity(int64_t bins, int64_t extent, int64_t sampling_ratio)
   return std::min(bins * extent, 2 * samples);
 }
 
-// The forward's scratch: the NHWC staging of the input, then the sort of the boxes by image and
-// center row (keys, values, CUB temp storage).
-struct ForwardLayout {
-  int64_t nhwc = 0, keys_in = 0, keys_out = 0, values_in = 0, values_out = 0, sort_temp = 0,
-          sort_temp_bytes = 0, total = 0;
-  int end_bit = 0;
-};
-
-bool forward_layout(int64_t N, int64_t C, int64_t H, int64_t W, int64_t K, int64_t element_bytes,
-                    ForwardLayout* s) {
-  if (K >= (int64_t(1) << 31) || N * H >= (int64_t(1) << 32) - 1) return false;
-  ScratchLayout layout;
-  s->nhwc = layout.take(N * C * H * W * element_bytes);
-  s->keys_in = layout.take(K * 4);
-  s->keys_out = layout.take(K * 4);
-  s->values_in = layout.take(K * 4);
-  s->values_out = layout.take(K * 4);
-  s->end_bit = key_bits(uint64_t(N * H));  // keys in [0, N * H]
-  s->sort_temp_bytes = radix_sort_temp_bound(K, s->end_bit);
-  s->sort_temp = layout.take(s->sort_temp_bytes);
-  s->total = layout.total();
-  return true;
-}
-
-// Sort key of each box: image * H + the row of its center (clamped), N * H without an image.
-template <class T>
-__global__ void __launch_bounds__(kThreads)
-    roi_align_box_keys_kernel(const T* __restrict__ boxes, RoiAlignProblem p,
-                              uint32_t* __restrict__ keys, uint32_t* __restrict__ values) {
-  using A = acc_t<T>;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; k < p.K; k += stride) {
-    const RoiBox<A> box = roi_box(boxes, k, p);
-    const A center = box.y.start + A(0.5) * box.y.bin * A(p.PH);
-    int64_t row = 0;
-    if (center >= A(p.H - 1)) row = p.H - 1;
-    else if (center > A(0)) row = int64_t(center);
-    keys[k] = uint32_t(box.image >= 0 ? box.image * p.H + row : p.N * p.H);
-    values[k] = uint32_t(k);
-  }
-}
-
 // Where each piece of the deterministic backward lives in the scratch buffer.
 struct GatherLayout {
   int64_t row_capacity = 0, column_capacity = 0;  // entries per box
@@ -536,15 +214,6 @@ int64_t backward_input_scratch_query(const QueryArgs& a) {
   if (atomic_backward_input(a["deterministic"] != 0, element_bytes)) return 0;
   GatherLayout s;
   if (!gather_layout(N, C, H, W, K, PH, PW, ratio, element_bytes, &s)) return -1;
-  return s.total;
-}
-
-// Host query "roi_align_forward_scratch": the bytes of the forward's scratch, or -1 if the box
-// sort's keys do not fit 32 bits. Arguments: N, C, H, W, `boxes` (K) and element_bytes.
-int64_t forward_scratch_query(const QueryArgs& a) {
-  ForwardLayout s;
-  if (!forward_layout(a["N"], a["C"], a["H"], a["W"], a["boxes"], a["element_bytes"], &s))
-    return -1;
   return s.total;
 }
 
@@ -855,50 +524,6 @@ __global__ void __launch_bounds__(kThreads, 3)
 
 int64_t channel_chunks(const RoiAlignProblem& p) { return (p.C + kChannels - 1) / kChannels; }
 
-ffi::Error roi_align_forward(cudaStream_t stream, ffi::AnyBuffer input, ffi::AnyBuffer boxes,
-                             RoiAlignAttrs attrs, ffi::Result<ffi::AnyBuffer> out,
-                             ffi::Result<ffi::AnyBuffer> scratch) {
-  const char* op = "roi_align";
-  RoiAlignProblem p;
-  if (auto err = roi_align_problem(op, attrs, input, boxes, *out, &p); err.failure()) return err;
-  if (p.K * p.C * p.bins() == 0) return ffi::Error::Success();
-  ForwardLayout layout;
-  if (!forward_layout(p.N, p.C, p.H, p.W, p.K, int64_t(ffi::ByteWidth(input.element_type())),
-                      &layout))
-    return ffi::Error::InvalidArgument("roi_align: too many boxes or rows for the box sort");
-  if (int64_t(scratch->size_bytes()) < layout.total)
-    return ffi::Error::InvalidArgument("roi_align: scratch buffer smaller than the query's size");
-  char* base = aligned_scratch(scratch->untyped_data());
-  return dispatch_float(input.element_type(), op, [&](auto tag) -> ffi::Error {
-    using T = typename decltype(tag)::type;
-    const T* box_data = static_cast<const T*>(boxes.untyped_data());
-    T* nhwc = reinterpret_cast<T*>(base + layout.nhwc);
-    transpose(static_cast<const T*>(input.untyped_data()), nhwc, p.N, p.C, p.H * p.W, stream);
-    uint32_t* keys_in = reinterpret_cast<uint32_t*>(base + layout.keys_in);
-    uint32_t* values_in = reinterpret_cast<uint32_t*>(base + layout.values_in);
-    roi_align_box_keys_kernel<T><<<grid_blocks(p.K, kThreads), kThreads, 0, stream>>>(
-        box_data, p, keys_in, values_in);
-    cub::DoubleBuffer<uint32_t> keys(keys_in, reinterpret_cast<uint32_t*>(base + layout.keys_out));
-    cub::DoubleBuffer<uint32_t> order(values_in,
-                                      reinterpret_cast<uint32_t*>(base + layout.values_out));
-    if (auto err = radix_sort_pairs(op, keys, order, p.K, layout.end_bit, base + layout.sort_temp,
-                                    layout.sort_temp_bytes, stream);
-        err.failure())
-      return err;
-    const ForwardLaunch l = forward_launch<T>(p);
-    const int64_t items = l.slabs.slabs * p.K * l.tiles;
-    const size_t shared = size_t(l.shared_bytes);
-    const bool narrow = p.H * p.W * p.C < (int64_t(1) << 31);
-    with_slab_kernel<T>(l.slabs, p.C % 4 == 0, narrow, [&](auto per_lane, auto vec, auto index) {
-      roi_align_forward_kernel<T, decltype(per_lane)::value, decltype(vec)::value,
-                               decltype(index)>
-          <<<grid_blocks(items * kThreads, kThreads), kThreads, shared, stream>>>(
-              nhwc, box_data, order.Current(), static_cast<T*>(out->untyped_data()), p, l);
-    });
-    return launch_status(op);
-  });
-}
-
 ffi::Error roi_align_backward_boxes(cudaStream_t stream, ffi::AnyBuffer dout, ffi::AnyBuffer input,
                                     ffi::AnyBuffer boxes, RoiAlignAttrs attrs,
                                     ffi::Result<ffi::AnyBuffer> d_boxes) {
@@ -1016,15 +641,6 @@ using Stream = ffi::PlatformStream<cudaStream_t>;
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignForwardCuda, roi_align_forward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Attrs<RoiAlignAttrs>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>(),
-                              {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignBackwardInputCuda, roi_align_backward_input,
                               ffi::Ffi::Bind()
                                   .Ctx<Stream>()
@@ -1044,8 +660,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignBackwardBoxesCuda, roi_align_backward_boxe
                                   .Ret<ffi::AnyBuffer>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
-JK_REGISTER_TARGET("jk_roi_align_fwd", RoiAlignForwardCuda, "roi_align", "forward",
-                   "cuda NHWC staging + channel-slab gather", "bitwise");
 JK_REGISTER_TARGET("jk_roi_align_bwd_input", RoiAlignBackwardInputCuda, "roi_align",
                    "backward d_input",
                    "cuda row-entry sort (CUB) + channel-slab ordered gather (atomics for "
@@ -1053,7 +667,6 @@ JK_REGISTER_TARGET("jk_roi_align_bwd_input", RoiAlignBackwardInputCuda, "roi_ali
                    "bitwise (deterministic=True); atomics otherwise for float32/float64");
 JK_REGISTER_TARGET("jk_roi_align_bwd_boxes", RoiAlignBackwardBoxesCuda, "roi_align",
                    "backward d_boxes", "cuda per-box block reduction (float64)", "bitwise");
-JK_REGISTER_QUERY("roi_align_forward_scratch", forward_scratch_query);
 JK_REGISTER_QUERY("roi_align_backward_input_scratch", backward_input_scratch_query);
 
 }  // namespace jax_kernels
