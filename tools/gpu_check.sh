@@ -86,7 +86,7 @@ fi
 
 if [ -z "${SKIP_DIGESTS:-}" ]; then  # bits of every deterministic pass, GPU-sized shapes included
   start=$(date +%s)
-  JAX_PLATFORMS=cuda python3 tools/pass_digests.py --large --out "$OUT/digests.json" || status=1
+  JAX_PLATFORMS=cuda python3 tools/pass_digests.py --large --repeats 3 --out "$OUT/digests.json" || status=1
   echo "digests: $(( $(date +%s) - start )) s"
 fi
 

@@ -1,14 +1,15 @@
 """Digests of the bits every deterministic pass produces, to prove that a change of the code's
 shape (a refactor, a moved kernel) changed no result.
 
-    python tools/pass_digests.py --out before.json [--large]
+    python tools/pass_digests.py --out before.json [--large] [--repeats 3]
     python tools/pass_digests.py --compare before.json after.json
 
 Each case runs one op's forward and its vjp on fixed seeded inputs and records a SHA-256 of the
 bytes of every output (the forward and each gradient apart), per dtype. ``--large`` adds shapes
 that reach the GPU's big-problem paths (tensor-core implicit GEMM, pipelined depthwise stencils
 and weight gradients, sorted scatters over many points); run it on the GPU machine. Only the
-deterministic paths are digested (``deterministic=False`` may sum in any order).
+deterministic paths are digested (``deterministic=False`` may sum in any order); ``--repeats N``
+runs each case N times and reports the outputs whose bits change from run to run.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jax_kernels as jk
-
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -32,8 +31,12 @@ def _inputs(seed: int, dtype, *shapes):
     return [jnp.asarray(rng.uniform(-1, 1, size=s)).astype(dtype) for s in shapes]
 
 
+REPEATS = 1  # --repeats: runs of each case whose bits must agree
+
+
 def _vjp_digests(fn, args, seed: int) -> dict[str, str]:
-    """Digests of fn(*args) and of each argument's gradient for a fixed random cotangent."""
+    """Digests of fn(*args) and of each argument's gradient for a fixed random cotangent; an
+    output whose bits differ between the REPEATS runs is marked "nondeterministic"."""
     y = jax.eval_shape(fn, *args)
     (dy,) = _inputs(seed + 1000, y.dtype, y.shape)
 
@@ -42,10 +45,14 @@ def _vjp_digests(fn, args, seed: int) -> dict[str, str]:
         y, pullback = jax.vjp(fn, *args)
         return y, pullback(dy)
 
-    y, grads = forward_and_vjp(args, dy)
-    out = {"forward": y, **{f"d{i}": g for i, g in enumerate(grads)}}
-    return {name: hashlib.sha256(np.asarray(jax.device_get(v)).tobytes()).hexdigest()[:24]
-            for name, v in out.items()}
+    runs = []
+    for _ in range(REPEATS):
+        y, grads = forward_and_vjp(args, dy)
+        out = {"forward": y, **{f"d{i}": g for i, g in enumerate(grads)}}
+        runs.append({name: hashlib.sha256(np.asarray(jax.device_get(v)).tobytes()).hexdigest()[:24]
+                     for name, v in out.items()})
+    return {name: digest if all(r[name] == digest for r in runs) else "nondeterministic"
+            for name, digest in runs[0].items()}
 
 
 def _grid(seed, dtype, n, points, dims, spread):
@@ -55,6 +62,8 @@ def _grid(seed, dtype, n, points, dims, spread):
 
 def cases(large: bool):
     """(name, thunk(dtype) -> {output: digest}) for every case."""
+    import jax_kernels as jk  # here, so that --compare needs no build
+
     out = []
 
     for shape, weight_kind in (((3, 37), "array"), ((64, 129), "scalar")):
@@ -181,12 +190,20 @@ def main() -> int:
     parser.add_argument("--out", help="write the digests to this JSON file")
     parser.add_argument("--large", action="store_true", help="add the GPU-sized shapes")
     parser.add_argument("--dtypes", default=",".join(DTYPES))
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run each case this many times and mark outputs whose bits differ")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
     args = parser.parse_args()
     if args.compare:
         return compare(*args.compare)
     jax.config.update("jax_enable_x64", True)
+    global REPEATS
+    REPEATS = args.repeats
     results = compute(args.large, args.dtypes.split(","))
+    unstable = [f"{case}: {name}" for case, outputs in results.items()
+                for name, digest in outputs.items() if digest == "nondeterministic"]
+    for line in unstable:
+        print(f"nondeterministic: {line}")
     print(f"{sum(len(v) for v in results.values())} outputs digested over {len(results)} cases "
           f"on {jax.devices()[0].platform}")
     if args.out:
