@@ -558,7 +558,7 @@ char* region(char* base, const Plan& plan, int i) { return base + plan.offset[i]
 // ---- Running the routes -----------------------------------------------------------------------
 
 // Each route runs the steps of implicit_gemm.h's ImplicitGemmStep that are set in `steps` (all of them
-// for conv2d_dense), in order; a step left out is skipped and nothing else changes.
+// for implicit_gemm_conv2d), in order; a step left out is skipped and nothing else changes.
 bool has(unsigned steps, ImplicitGemmStep step) { return (steps & step) != 0; }
 
 template <class Bits>
@@ -712,15 +712,16 @@ int64_t implicit_gemm_scratch_bytes(const ConvQuery& query) {
   return plan.route == Route::kDecline ? -1 : plan.bytes;
 }
 
-ffi::Error implicit_gemm_conv2d(cudaStream_t stream, const ConvQuery& query, const void* a, const void* b,
-                        const void* bias, void* out, void* scratch, int64_t scratch_bytes) {
+ffi::Error implicit_gemm_conv2d(cudaStream_t stream, const ConvQuery& query, const void* a,
+                                const void* b, const void* bias, void* out, void* scratch,
+                                int64_t scratch_bytes) {
   return implicit_gemm_steps(stream, query, a, b, bias, out, scratch, scratch_bytes,
-                            kImplicitGemmAllSteps);
+                             kImplicitGemmAllSteps);
 }
 
 ffi::Error implicit_gemm_steps(cudaStream_t stream, const ConvQuery& query, const void* a,
-                              const void* b, const void* bias, void* out, void* scratch,
-                              int64_t scratch_bytes, unsigned steps) {
+                               const void* b, const void* bias, void* out, void* scratch,
+                               int64_t scratch_bytes, unsigned steps) {
   const Plan plan = make_plan(query);
   if (plan.route == Route::kDecline)
     return ffi::Error::InvalidArgument(
@@ -735,7 +736,8 @@ ffi::Error implicit_gemm_steps(cudaStream_t stream, const ConvQuery& query, cons
   return run_plan<uint32_t>(stream, query, plan, a, b, bias, out, base, steps);
 }
 
-bool implicit_gemm_layout_info(const ConvQuery& query, bool with_bias, ImplicitGemmLayoutInfo* info) {
+bool implicit_gemm_layout_info(const ConvQuery& query, bool with_bias,
+                               ImplicitGemmLayoutInfo* info) {
   const Plan plan = make_plan(query);
   if (plan.route == Route::kDecline) return false;
   *info = ImplicitGemmLayoutInfo{};
@@ -803,14 +805,14 @@ namespace jax_kernels {
 
 int64_t implicit_gemm_scratch_bytes(const ConvQuery&) { return -1; }
 
-ffi::Error implicit_gemm_conv2d(cudaStream_t, const ConvQuery&, const void*, const void*, const void*, void*,
-                        void*, int64_t) {
+ffi::Error implicit_gemm_conv2d(cudaStream_t, const ConvQuery&, const void*, const void*,
+                                const void*, void*, void*, int64_t) {
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
                     "conv2d: built without CUTLASS, the tensor-core path is not available");
 }
 
-ffi::Error implicit_gemm_steps(cudaStream_t, const ConvQuery&, const void*, const void*, const void*,
-                              void*, void*, int64_t, unsigned) {
+ffi::Error implicit_gemm_steps(cudaStream_t, const ConvQuery&, const void*, const void*,
+                               const void*, void*, void*, int64_t, unsigned) {
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
                     "conv2d: built without CUTLASS, the tensor-core path is not available");
 }

@@ -21,11 +21,12 @@ int64_t implicit_gemm_scratch_bytes(const ConvQuery& query);
 //   kBackwardData:   a = dy [N,K,P,Q],       b = weight w,             out = dx [N,C,H,W]
 //   kBackwardWeight: a = dy [N,K,P,Q],       b = input x,              out = dw [K,C/g,R,S]
 // Must only be called when implicit_gemm_scratch_bytes(query) >= 0, with that much scratch.
-ffi::Error implicit_gemm_conv2d(cudaStream_t stream, const ConvQuery& query, const void* a, const void* b,
-                        const void* bias, void* out, void* scratch, int64_t scratch_bytes);
+ffi::Error implicit_gemm_conv2d(cudaStream_t stream, const ConvQuery& query, const void* a,
+                                const void* b, const void* bias, void* out, void* scratch,
+                                int64_t scratch_bytes);
 
-// ---- Measurement hooks (scripts/conv_dense_check.cu; the FFI handlers do not use them) ----------
-// A pass is three steps, launched in this order by conv2d_dense:
+// ---- Measurement hooks (tools/implicit_gemm_check.cu; the FFI handlers do not use them) --------
+// A pass is three steps, launched in this order by implicit_gemm_conv2d:
 //   layout in:  NHWC route: the input (fprop) or dy (dgrad) transposed to NHWC together with the
 //               weight transform, or dy and x transposed (wgrad), one launch; GEMM route: the bias
 //               broadcast (fprop with bias), else nothing;
@@ -39,12 +40,12 @@ enum ImplicitGemmStep : unsigned {
   kImplicitGemmAllSteps = 7,
 };
 
-// conv2d_dense restricted to the steps in the mask: the same plan, scratch regions and launches as
-// conv2d_dense makes for those steps, the others skipped. The output is only right with all
+// implicit_gemm_conv2d restricted to the steps in the mask: the same plan, scratch regions and
+// launches as implicit_gemm_conv2d makes for those steps, the others skipped. The output is only right with all
 // steps; the steps alone are for timing (a step reads what the previous one left in the scratch).
 ffi::Error implicit_gemm_steps(cudaStream_t stream, const ConvQuery& query, const void* a,
-                              const void* b, const void* bias, void* out, void* scratch,
-                              int64_t scratch_bytes, unsigned steps);
+                               const void* b, const void* bias, void* out, void* scratch,
+                               int64_t scratch_bytes, unsigned steps);
 
 // What the layout steps of a pass do, from its plan (false if the path declines the problem).
 struct ImplicitGemmLayoutInfo {
@@ -55,6 +56,7 @@ struct ImplicitGemmLayoutInfo {
   int64_t in_bytes = 0, out_bytes = 0;
   char in_what[64] = "", out_what[64] = "";  // e.g. "x to NHWC + weights", "y to NCHW"
 };
-bool implicit_gemm_layout_info(const ConvQuery& query, bool with_bias, ImplicitGemmLayoutInfo* info);
+bool implicit_gemm_layout_info(const ConvQuery& query, bool with_bias,
+                               ImplicitGemmLayoutInfo* info);
 
 }  // namespace jax_kernels

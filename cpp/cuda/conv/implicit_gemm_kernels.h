@@ -1,6 +1,7 @@
-// Internal interface between the tensor-core dispatcher (implicit_gemm.cu: planning, layout kernels)
-// and the CUTLASS instantiations (implicit_gemm_<math>.cu, one file per math mode so that they compile
-// in parallel). Only plain C++ types cross it; CUTLASS types stay inside implicit_gemm_kernels.cuh.
+// Internal interface between the tensor-core dispatcher (implicit_gemm.cu: planning, layout
+// kernels) and the CUTLASS instantiations (implicit_gemm_<math>.cu, one file per math mode so that
+// they compile in parallel). Only plain C++ types cross it; CUTLASS types stay inside
+// implicit_gemm_kernels.cuh.
 #pragma once
 
 #include <cuda_runtime.h>

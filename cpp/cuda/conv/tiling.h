@@ -73,7 +73,7 @@ struct TileShape {
 };
 
 inline TileShape choose_tile(int64_t out_rows, int64_t out_cols, int rows_per_thread,
-                      int cols_per_thread, int max_by) {
+                             int cols_per_thread, int max_by) {
   TileShape t;
   const int64_t thread_cols = ceil_div(std::max<int64_t>(out_cols, 1), cols_per_thread);
   t.tiles_x = ceil_div(thread_cols, 64 / cols_per_thread);
@@ -127,6 +127,8 @@ inline StripTile strip_tile(int bx, int by, int rows, int taps) {
   return s;
 }
 
-inline bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+inline bool aligned_to(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
 
 }  // namespace jax_kernels
