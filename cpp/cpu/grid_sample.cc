@@ -250,7 +250,8 @@ ffi::Error grid_sample_forward(ffi::AnyBuffer input, ffi::AnyBuffer grid,
 // The scratch result exists for the CUDA deterministic path; on the CPU it is empty.
 ffi::Error grid_sample_backward_input(ffi::AnyBuffer dout, ffi::AnyBuffer grid,
                                       ffi::Result<ffi::AnyBuffer> d_input,
-                                      ffi::Result<ffi::AnyBuffer> /*scratch*/, GridSampleAttrs attrs) {
+                                      ffi::Result<ffi::AnyBuffer> /*scratch*/,
+                                      GridSampleAttrs attrs) {
   const char* op = "grid_sample backward d_input";
   GridSampleCall call;
   if (auto error = decode_grid_sample_call(op, GridSamplePass::kBackwardInput, {&dout, &grid},

@@ -61,9 +61,7 @@ int64_t conv2d_scratch_query(const QueryArgs& a) {
                       a["pad_left"], a["dilation_h"], a["dilation_w"], a["groups"]};
   const ConvQuery query{ConvPass(a["pass"]), ConvDtype(a["dtype"]), ConvPrecision(a["precision"]),
                         p};
-  if (p.groups <= 0 || p.C % p.groups != 0 || p.K % p.groups != 0 || p.stride_h <= 0 ||
-      p.stride_w <= 0 || p.dilation_h <= 0 || p.dilation_w <= 0)
-    return -1;
+  if (conv_problem_error(p) != nullptr) return -1;
   return plan_conv(query).scratch_bytes;
 }
 

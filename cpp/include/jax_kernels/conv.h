@@ -10,7 +10,6 @@
 #include <string>
 
 #include "jax_kernels/ffi_util.h"
-
 #include "jax_kernels/index_math.h"
 #include "jax_kernels/scalar.h"
 
@@ -129,7 +128,20 @@ JK_HD StencilWeights backward_data_weights(const ConvProblem& p) {
           cg * p.R * p.S, -p.S, -1};
 }
 
-// ---- FFI attributes and operand checks, shared by the CPU and CUDA handlers (host only) ----------
+// ---- FFI attributes and problem checks, shared by the CPU and CUDA handlers (host only) --------
+
+// nullptr if a problem's attributes are valid (positive groups, strides and dilations,
+// non-negative padding, channels and filters divisible by the groups), else what is wrong. The
+// handlers check this and that the tensors agree (conv2d_problem); the scratch query checks this.
+inline const char* conv_problem_error(const ConvProblem& p) {
+  if (p.groups <= 0 || p.stride_h <= 0 || p.stride_w <= 0 || p.dilation_h <= 0 ||
+      p.dilation_w <= 0)
+    return "groups, strides and dilations must be positive";
+  if (p.pad_top < 0 || p.pad_left < 0) return "padding must be non-negative";
+  if (p.K % p.groups != 0 || p.C % p.groups != 0)
+    return "weight shape does not match the input channels and groups";
+  return nullptr;
+}
 
 // Every forward, dgrad and wgrad target takes these attributes (decoded with .Attrs<ConvAttrs>()).
 // Bottom/right padding is implied by the output extent. `precision` (ConvPrecision) selects TF32
@@ -155,14 +167,13 @@ inline ffi::Error conv2d_problem(const char* op, const ConvAttrs& a, const ffi::
   const int64_t* i = in.dimensions().begin();
   const int64_t* w = weight.dimensions().begin();
   const int64_t* o = out.dimensions().begin();
-  *p = ConvProblem{i[0],       i[1],       i[2],      i[3],       w[0],         w[2],
-                   w[3],       o[2],       o[3],      a.stride_h, a.stride_w,   a.pad_top,
-                   a.pad_left, a.dilation_h, a.dilation_w, a.groups};
-  if (p->groups <= 0 || p->stride_h <= 0 || p->stride_w <= 0 || p->dilation_h <= 0 ||
-      p->dilation_w <= 0)
-    return invalid("groups, strides and dilations must be positive");
-  if (p->pad_top < 0 || p->pad_left < 0) return invalid("padding must be non-negative");
-  if (p->K % p->groups != 0 || w[1] * p->groups != p->C)
+  *p = ConvProblem{i[0],       i[1],       i[2],         i[3],          // N, C, H, W
+                   w[0],       w[2],       w[3],                        // K, R, S
+                   o[2],       o[3],                                    // P, Q
+                   a.stride_h, a.stride_w, a.pad_top,    a.pad_left,    a.dilation_h,
+                   a.dilation_w, a.groups};
+  if (const char* problem = conv_problem_error(*p)) return invalid(problem);
+  if (w[1] * p->groups != p->C)
     return invalid("weight shape does not match the input channels and groups");
   if (o[0] != i[0] || o[1] != w[0]) return invalid("output shape does not match the operands");
   for (int d = 0; d < 4; ++d)

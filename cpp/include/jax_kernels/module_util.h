@@ -23,7 +23,8 @@ namespace jax_kernels {
 inline nanobind::dict enum_codes() {
   namespace nb = nanobind;
   nb::dict enums;
-  const auto table = [&](const char* name, std::initializer_list<std::pair<const char*, int64_t>> codes) {
+  using Codes = std::initializer_list<std::pair<const char*, int64_t>>;
+  const auto table = [&](const char* name, Codes codes) {
     nb::dict entries;
     for (const auto& [key, code] : codes) entries[key] = code;
     enums[name] = entries;
