@@ -19,17 +19,16 @@ one leading batch dimension itself.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_batching import custom_vmap
 
 from . import _ffi
 from ._checks import as_array, check_float_dtypes
+from ._primitive import Kernel, add, aval, is_linear, is_zero
 
 _OP = "conv2d"
 
@@ -81,7 +80,7 @@ def conv2d(input: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: 
     conv = _make_conv(x.shape, w.shape, None if bias is None else arrays["bias"].shape, stride,
                       padding, dilation, groups, precision)
     b = arrays["bias"] if bias is not None else jnp.zeros((0,), x.dtype)
-    y = _conv2d_jit(x, w, b, conv, bias is not None)
+    y = _conv2d_jit(x, w, b, conv)
     return y[0] if unbatched else y
 
 
@@ -201,30 +200,145 @@ def _make_conv(x_shape, w_shape, b_shape, stride, padding, dilation, groups, pre
     return _Attrs(stride, pads, dilation, groups, precision_code)
 
 
-# --- differentiation ---------------------------------------------------------------------------
+# --- the kernels as primitives ----------------------------------------------------------------
+# conv2d is bilinear in (input, weight) and linear in the bias, so fprop, dgrad and wgrad are
+# each other's transposes and every derivative of every order is one of the four kernels:
+#   fwd(x, w, b) = x * w + b        dgrad(dy, w) = fwd's transpose in x
+#   wgrad(dy, x) = fwd's transpose in w        bgrad(dy) = fwd's transpose in b
+# dgrad(dy, w) is bilinear: its transpose in dy is fwd(., w), in w it is wgrad(dy, .); likewise
+# wgrad(dy, x) transposes to fwd(x, .) in dy and to dgrad(dy, .) in x.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _conv2d(x, w, b, conv: _Attrs, has_bias: bool):
-    return _forward_call(conv)(x, w, b)
+def _conv2d(x, w, b, conv: _Attrs):
+    return _FWD(x, w, b, conv=conv)
 
 
-def _conv2d_fwd(x, w, b, conv, has_bias):
-    return _forward_call(conv)(x, w, b), (x, w)
-
-
-def _conv2d_bwd(conv, has_bias, residuals, dy):
-    x, w = residuals
-    dx = _backward_data_call(conv, tuple(x.shape[2:]))(dy, w)
-    dw = _backward_weight_call(conv, tuple(w.shape[2:]))(dy, x)
-    db = _backward_bias(dy) if has_bias else jnp.zeros((0,), dy.dtype)
-    return dx, dw, db
-
-
-_conv2d.defvjp(_conv2d_fwd, _conv2d_bwd)
 # Called through jit so that eager calls reuse compiled executables (the CUDA/CPU choice in
 # _emit would otherwise be traced and compiled anew on every eager call).
-_conv2d_jit = jax.jit(_conv2d, static_argnums=(3, 4))
+_conv2d_jit = jax.jit(_conv2d, static_argnums=(3,))
+
+
+def _no_bias(dtype) -> jax.Array:
+    return jnp.zeros((0,), dtype)
+
+
+def _forward_shape(x, w, b, *, conv):
+    N, _, H, W = x.shape
+    K, _, R, S = w.shape
+    return (N, K) + conv.output_hw((H, W), (R, S)), x.dtype
+
+
+def _forward_emit(x, w, b, *, conv):
+    N, C, H, W = x.shape
+    K, _, R, S = w.shape
+    P, Q = conv.output_hw((H, W), (R, S))
+    result = jax.ShapeDtypeStruct((N, K, P, Q), x.dtype)
+    return _emit("jk_conv2d_fwd", "forward", conv, result, (x, w, b), (N, C, H, W, K, R, S, P, Q))
+
+
+def _forward_jvp(primals, tangents, *, conv):
+    x, w, b = primals
+    tx, tw, tb = tangents
+    has_bias = b.shape[0] > 0 and not is_zero(tb)
+    terms = []
+    if not is_zero(tx):
+        terms.append(_FWD(tx, w, tb if has_bias else _no_bias(x.dtype), conv=conv))
+    elif has_bias:
+        terms.append(_BIAS(tb, shape=_FWD.result(x, w, b, conv=conv).shape))
+    if not is_zero(tw):
+        terms.append(_FWD(x, tw, _no_bias(x.dtype), conv=conv))
+    return add(*terms)
+
+
+def _forward_transpose(dy, x, w, b, *, conv):
+    cts = [None, None, None]
+    if is_linear(x):
+        cts[0] = _DGRAD(dy, w, conv=conv, input_hw=tuple(aval(x).shape[2:]))
+    if is_linear(w):
+        cts[1] = _WGRAD(dy, x, conv=conv, kernel_rs=tuple(aval(w).shape[2:]))
+    if is_linear(b):
+        cts[2] = _BGRAD(dy) if aval(b).shape[0] > 0 else _no_bias(dy.dtype)
+    return cts
+
+
+def _dgrad_shape(dy, w, *, conv, input_hw):
+    return (dy.shape[0], w.shape[1] * conv.groups) + input_hw, dy.dtype
+
+
+def _dgrad_emit(dy, w, *, conv, input_hw):
+    N, K, P, Q = dy.shape
+    _, Cg, R, S = w.shape
+    C = Cg * conv.groups
+    result = jax.ShapeDtypeStruct((N, C) + input_hw, dy.dtype)
+    return _emit("jk_conv2d_bwd_input", "backward_data", conv, result, (dy, w),
+                 (N, C) + input_hw + (K, R, S, P, Q))
+
+
+def _dgrad_jvp(primals, tangents, *, conv, input_hw):
+    dy, w = primals
+    tdy, tw = tangents
+    return add(None if is_zero(tdy) else _DGRAD(tdy, w, conv=conv, input_hw=input_hw),
+               None if is_zero(tw) else _DGRAD(dy, tw, conv=conv, input_hw=input_hw))
+
+
+def _dgrad_transpose(ct, dy, w, *, conv, input_hw):
+    if is_linear(dy):
+        return [_FWD(ct, w, _no_bias(ct.dtype), conv=conv), None]
+    return [None, _WGRAD(dy, ct, conv=conv, kernel_rs=tuple(aval(w).shape[2:]))]
+
+
+def _wgrad_shape(dy, x, *, conv, kernel_rs):
+    return (dy.shape[1], x.shape[1] // conv.groups) + kernel_rs, dy.dtype
+
+
+def _wgrad_emit(dy, x, *, conv, kernel_rs):
+    N, K, P, Q = dy.shape
+    _, C, H, W = x.shape
+    result = jax.ShapeDtypeStruct((K, C // conv.groups) + kernel_rs, dy.dtype)
+    return _emit("jk_conv2d_bwd_weight", "backward_weight", conv, result, (dy, x),
+                 (N, C, H, W, K) + kernel_rs + (P, Q))
+
+
+def _wgrad_jvp(primals, tangents, *, conv, kernel_rs):
+    dy, x = primals
+    tdy, tx = tangents
+    return add(None if is_zero(tdy) else _WGRAD(tdy, x, conv=conv, kernel_rs=kernel_rs),
+               None if is_zero(tx) else _WGRAD(dy, tx, conv=conv, kernel_rs=kernel_rs))
+
+
+def _wgrad_transpose(ct, dy, x, *, conv, kernel_rs):
+    if is_linear(dy):
+        return [_FWD(x, ct, _no_bias(ct.dtype), conv=conv), None]
+    return [None, _DGRAD(dy, ct, conv=conv, input_hw=tuple(aval(x).shape[2:]))]
+
+
+def _bgrad_shape(dy):
+    """dy [N, K, P, Q] -> db [K], or with one leading batch dimension [B, N, K, P, Q] -> [B, K]."""
+    return dy.shape[:-4] + (dy.shape[-3],), dy.dtype
+
+
+def _bgrad_emit(dy):
+    result = jax.ShapeDtypeStruct(*_bgrad_shape(dy))
+    return _ffi.call("jk_conv2d_bwd_bias", result, dy)
+
+
+def _bgrad_transpose(ct, dy):
+    return [_BIAS(ct, shape=tuple(aval(dy).shape))]
+
+
+# The bias added to every output position: the transpose of the bias gradient (a broadcast, not
+# a kernel; a primitive so that its own transpose is the bias gradient kernel).
+def _bias_shape(b, *, shape):
+    return shape, b.dtype
+
+
+def _bias_emit(b, *, shape):
+    return jnp.broadcast_to(b[..., None, :, None, None], shape)
+
+
+def _bias_batched(batch, operands, in_batched, *, shape):
+    (b,) = operands
+    return _BIAS(b, shape=(batch,) + shape), True
 
 
 # --- FFI calls ---------------------------------------------------------------------------------
@@ -250,6 +364,9 @@ def _emit(target: str, pass_: str, conv: _Attrs, result: jax.ShapeDtypeStruct, o
                                        **conv.ffi_attributes())
 
 
+# --- batching: every rule folds the vmapped axis into the kernel's batch or its groups ----------
+
+
 def _merge_leading(x):
     """[B, N, ...] -> [B * N, ...]"""
     return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
@@ -271,144 +388,113 @@ def _channels_to_batch(x, batch: int):
     return jnp.swapaxes(x.reshape((n, batch, bc // batch) + x.shape[2:]), 0, 1)
 
 
-@functools.lru_cache(maxsize=None)
-def _forward_call(conv: _Attrs):
+def _forward_batched(batch, operands, in_batched, *, conv):
     """x [N, C, H, W], w [K, C/g, R, S], b [K] or [0] -> y [N, K, P, Q]."""
-
-    @custom_vmap
-    def forward(x, w, b):
-        N, C, H, W = x.shape
-        K, _, R, S = w.shape
-        P, Q = conv.output_hw((H, W), (R, S))
-        result = jax.ShapeDtypeStruct((N, K, P, Q), x.dtype)
-        return _emit("jk_conv2d_fwd", "forward", conv, result, (x, w, b),
-                     (N, C, H, W, K, R, S, P, Q))
-
-    @forward.def_vmap
-    def forward_batched(batch, in_batched, x, w, b):
-        x_batched, w_batched, b_batched = in_batched
-        if b.shape[-1] == 0:  # no bias (or no filters): nothing to batch
-            b, b_batched = jnp.zeros((0,), x.dtype), False
-        if not (w_batched or b_batched):
-            if not x_batched:
-                return forward(x, w, b), False
-            return _split_leading(forward(_merge_leading(x), w, b), batch), True
-        # Per-example weights (a per-example bias brings the weights along: they are small).
-        if not w_batched:
-            w = jnp.broadcast_to(w, (batch,) + w.shape)
-        has_bias = b.shape[-1] > 0
-        if has_bias and not b_batched:
-            b = jnp.broadcast_to(b, (batch,) + b.shape)
-        K, Cg, R, S = w.shape[1:]
-        g = conv.groups
-        if x_batched:
-            # Example b's channels and filters become groups b*g .. b*g + g - 1.
-            b_folded = b.reshape(batch * K) if has_bias else b
-            y = _forward_call(conv.with_groups(batch * g))(
-                _channels_to_front(x, batch), w.reshape(batch * K, Cg, R, S), b_folded)
-            return _channels_to_batch(y, batch), True
-        # A shared input: every example's filters of group j go to group j.
-        Kg = K // g
-        w_folded = jnp.swapaxes(w.reshape(batch, g, Kg, Cg, R, S), 0, 1)
-        b_folded = jnp.swapaxes(b.reshape(batch, g, Kg), 0, 1).reshape(-1) if has_bias else b
-        y = forward(x, w_folded.reshape(g * batch * Kg, Cg, R, S), b_folded)
-        N, _, P, Q = y.shape
-        y = y.reshape(N, g, batch, Kg, P, Q).transpose(2, 0, 1, 3, 4, 5)
-        return y.reshape(batch, N, K, P, Q), True
-
-    return forward
+    x, w, b = operands
+    x_batched, w_batched, b_batched = in_batched
+    if b.shape[-1] == 0:  # no bias (or no filters): nothing to batch
+        b, b_batched = _no_bias(x.dtype), False
+    if not (w_batched or b_batched):
+        return _split_leading(_FWD(_merge_leading(x), w, b, conv=conv), batch), True
+    # Per-example weights (a per-example bias brings the weights along: they are small).
+    if not w_batched:
+        w = jnp.broadcast_to(w, (batch,) + w.shape)
+    has_bias = b.shape[-1] > 0
+    if has_bias and not b_batched:
+        b = jnp.broadcast_to(b, (batch,) + b.shape)
+    K, Cg, R, S = w.shape[1:]
+    g = conv.groups
+    if x_batched:
+        # Example b's channels and filters become groups b*g .. b*g + g - 1.
+        b_folded = b.reshape(batch * K) if has_bias else b
+        y = _FWD(_channels_to_front(x, batch), w.reshape(batch * K, Cg, R, S), b_folded,
+                 conv=conv.with_groups(batch * g))
+        return _channels_to_batch(y, batch), True
+    # A shared input: every example's filters of group j go to group j.
+    Kg = K // g
+    w_folded = jnp.swapaxes(w.reshape(batch, g, Kg, Cg, R, S), 0, 1)
+    b_folded = jnp.swapaxes(b.reshape(batch, g, Kg), 0, 1).reshape(-1) if has_bias else b
+    y = _FWD(x, w_folded.reshape(g * batch * Kg, Cg, R, S), b_folded, conv=conv)
+    N, _, P, Q = y.shape
+    y = y.reshape(N, g, batch, Kg, P, Q).transpose(2, 0, 1, 3, 4, 5)
+    return y.reshape(batch, N, K, P, Q), True
 
 
-@functools.lru_cache(maxsize=None)
-def _backward_data_call(conv: _Attrs, input_hw: tuple[int, int]):
+def _dgrad_batched(batch, operands, in_batched, *, conv, input_hw):
     """dy [N, K, P, Q], w [K, C/g, R, S] -> dx [N, C, H, W]."""
-
-    @custom_vmap
-    def backward_data(dy, w):
-        N, K, P, Q = dy.shape
-        _, Cg, R, S = w.shape
-        C = Cg * conv.groups
-        result = jax.ShapeDtypeStruct((N, C) + input_hw, dy.dtype)
-        return _emit("jk_conv2d_bwd_input", "backward_data", conv, result, (dy, w),
-                     (N, C) + input_hw + (K, R, S, P, Q))
-
-    @backward_data.def_vmap
-    def backward_data_batched(batch, in_batched, dy, w):
-        dy_batched, w_batched = in_batched
-        if not w_batched:
-            if not dy_batched:
-                return backward_data(dy, w), False
-            return _split_leading(backward_data(_merge_leading(dy), w), batch), True
-        K, Cg, R, S = w.shape[1:]
-        g = conv.groups
-        if dy_batched:
-            dx = _backward_data_call(conv.with_groups(batch * g), input_hw)(
-                _channels_to_front(dy, batch), w.reshape(batch * K, Cg, R, S))
-            return _channels_to_batch(dx, batch), True
-        # A shared output gradient: example b's weights give input channels (j, b, c) of group j.
-        Kg = K // g
-        w_folded = w.reshape(batch, g, Kg, Cg, R, S).transpose(1, 2, 0, 3, 4, 5)
-        dx = backward_data(dy, w_folded.reshape(K, batch * Cg, R, S))
-        N = dx.shape[0]
-        dx = dx.reshape((N, g, batch, Cg) + input_hw).transpose(2, 0, 1, 3, 4, 5)
-        return dx.reshape((batch, N, g * Cg) + input_hw), True
-
-    return backward_data
+    dy, w = operands
+    dy_batched, w_batched = in_batched
+    if not w_batched:
+        return _split_leading(_DGRAD(_merge_leading(dy), w, conv=conv, input_hw=input_hw),
+                              batch), True
+    K, Cg, R, S = w.shape[1:]
+    g = conv.groups
+    if dy_batched:
+        dx = _DGRAD(_channels_to_front(dy, batch), w.reshape(batch * K, Cg, R, S),
+                    conv=conv.with_groups(batch * g), input_hw=input_hw)
+        return _channels_to_batch(dx, batch), True
+    # A shared output gradient: example b's weights give input channels (j, b, c) of group j.
+    Kg = K // g
+    w_folded = w.reshape(batch, g, Kg, Cg, R, S).transpose(1, 2, 0, 3, 4, 5)
+    dx = _DGRAD(dy, w_folded.reshape(K, batch * Cg, R, S), conv=conv, input_hw=input_hw)
+    N = dx.shape[0]
+    dx = dx.reshape((N, g, batch, Cg) + input_hw).transpose(2, 0, 1, 3, 4, 5)
+    return dx.reshape((batch, N, g * Cg) + input_hw), True
 
 
-@functools.lru_cache(maxsize=None)
-def _backward_weight_call(conv: _Attrs, kernel_rs: tuple[int, int]):
+def _wgrad_batched(batch, operands, in_batched, *, conv, kernel_rs):
     """dy [N, K, P, Q], x [N, C, H, W] -> dw [K, C/g, R, S]."""
-
-    @custom_vmap
-    def backward_weight(dy, x):
-        N, K, P, Q = dy.shape
-        _, C, H, W = x.shape
-        result = jax.ShapeDtypeStruct((K, C // conv.groups) + kernel_rs, dy.dtype)
-        return _emit("jk_conv2d_bwd_weight", "backward_weight", conv, result, (dy, x),
-                     (N, C, H, W, K) + kernel_rs + (P, Q))
-
-    @backward_weight.def_vmap
-    def backward_weight_batched(batch, in_batched, dy, x):
-        dy_batched, x_batched = in_batched
-        g = conv.groups
-        if dy_batched and x_batched:
-            dw = _backward_weight_call(conv.with_groups(batch * g), kernel_rs)(
-                _channels_to_front(dy, batch), _channels_to_front(x, batch))
-            return dw.reshape((batch, dw.shape[0] // batch) + dw.shape[1:]), True
-        if dy_batched:
-            # A shared input: example b's filters of group j become filters (j, b, k) of group j.
-            _, N, K, P, Q = dy.shape
-            Kg = K // g
-            dy_folded = dy.reshape(batch, N, g, Kg, P, Q).transpose(1, 2, 0, 3, 4, 5)
-            dw = backward_weight(dy_folded.reshape(N, g * batch * Kg, P, Q), x)
-            dw = jnp.swapaxes(dw.reshape((g, batch, Kg) + dw.shape[1:]), 0, 1)
-            return dw.reshape((batch, K) + dw.shape[3:]), True
-        if x_batched:
-            # A shared output gradient: example b's channels of group j become (j, b, c).
-            _, N, C, H, W = x.shape
-            Cg = C // g
-            x_folded = x.reshape(batch, N, g, Cg, H, W).transpose(1, 2, 0, 3, 4, 5)
-            dw = backward_weight(dy, x_folded.reshape(N, g * batch * Cg, H, W))
-            K = dw.shape[0]
-            return jnp.swapaxes(dw.reshape((K, batch, Cg) + kernel_rs), 0, 1), True
-        return backward_weight(dy, x), False
-
-    return backward_weight
+    dy, x = operands
+    dy_batched, x_batched = in_batched
+    g = conv.groups
+    if dy_batched and x_batched:
+        dw = _WGRAD(_channels_to_front(dy, batch), _channels_to_front(x, batch),
+                    conv=conv.with_groups(batch * g), kernel_rs=kernel_rs)
+        return dw.reshape((batch, dw.shape[0] // batch) + dw.shape[1:]), True
+    if dy_batched:
+        # A shared input: example b's filters of group j become filters (j, b, k) of group j.
+        _, N, K, P, Q = dy.shape
+        Kg = K // g
+        dy_folded = dy.reshape(batch, N, g, Kg, P, Q).transpose(1, 2, 0, 3, 4, 5)
+        dw = _WGRAD(dy_folded.reshape(N, g * batch * Kg, P, Q), x, conv=conv,
+                    kernel_rs=kernel_rs)
+        dw = jnp.swapaxes(dw.reshape((g, batch, Kg) + dw.shape[1:]), 0, 1)
+        return dw.reshape((batch, K) + dw.shape[3:]), True
+    # A shared output gradient: example b's channels of group j become (j, b, c).
+    _, N, C, H, W = x.shape
+    Cg = C // g
+    x_folded = x.reshape(batch, N, g, Cg, H, W).transpose(1, 2, 0, 3, 4, 5)
+    dw = _WGRAD(dy, x_folded.reshape(N, g * batch * Cg, H, W), conv=conv, kernel_rs=kernel_rs)
+    K = dw.shape[0]
+    return jnp.swapaxes(dw.reshape((K, batch, Cg) + kernel_rs), 0, 1), True
 
 
-@custom_vmap
-def _backward_bias(dy):
-    """dy [N, K, P, Q] -> db [K], or with one leading batch dimension [B, N, K, P, Q] -> [B, K]."""
-    result = jax.ShapeDtypeStruct(dy.shape[:-4] + (dy.shape[-3],), dy.dtype)
-    return _ffi.call("jk_conv2d_bwd_bias", result, dy)
-
-
-@_backward_bias.def_vmap
-def _backward_bias_batched(batch, in_batched, dy):
-    (dy_batched,) = in_batched
-    if not dy_batched:
-        return _backward_bias(dy), False
+def _bgrad_batched(batch, operands, in_batched):
+    (dy,) = operands
     if dy.ndim == 6:  # already carries the kernel's own batch dimension: merge the two
-        return _backward_bias(_merge_leading(dy)).reshape(dy.shape[:2] + (dy.shape[3],)), True
-    return _backward_bias(dy), True
+        return _BGRAD(_merge_leading(dy)).reshape(dy.shape[:2] + (dy.shape[3],)), True
+    return _BGRAD(dy), True
+
+
+_FWD = Kernel("jk_conv2d_fwd", shape=_forward_shape, emit=_forward_emit, batch=_forward_batched,
+              jvp=_forward_jvp, transpose=_forward_transpose)
+_DGRAD = Kernel("jk_conv2d_bwd_input", shape=_dgrad_shape, emit=_dgrad_emit,
+                batch=_dgrad_batched, jvp=_dgrad_jvp, transpose=_dgrad_transpose)
+_WGRAD = Kernel("jk_conv2d_bwd_weight", shape=_wgrad_shape, emit=_wgrad_emit,
+                batch=_wgrad_batched, jvp=_wgrad_jvp, transpose=_wgrad_transpose)
+_BGRAD = Kernel("jk_conv2d_bwd_bias", shape=_bgrad_shape, emit=_bgrad_emit,
+                batch=_bgrad_batched,
+                jvp=lambda primals, tangents: None if is_zero(tangents[0]) else _BGRAD(tangents[0]),
+                transpose=_bgrad_transpose)
+_BIAS = Kernel("jk_conv2d_bias", shape=_bias_shape, emit=_bias_emit, batch=_bias_batched,
+               jvp=lambda primals, tangents, **p: None if is_zero(tangents[0])
+               else _BIAS(tangents[0], **p),
+               transpose=lambda ct, b, **p: [_bias_gradient(ct)])
+
+
+def _bias_gradient(dy):
+    """The bias gradient of dy [..., N, K, P, Q] with any number of leading batch axes."""
+    if dy.ndim <= 5:
+        return _BGRAD(dy)
+    lead = dy.shape[:-4]
+    return _BGRAD(dy.reshape((-1,) + dy.shape[-4:])).reshape(lead + (dy.shape[-3],))

@@ -9,7 +9,6 @@ for the unbatched operands, and the kernels fold it into their own iteration.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -18,6 +17,7 @@ import numpy as np
 
 from . import _ffi
 from ._checks import as_array, check_float_dtypes, is_python_scalar
+from ._primitive import Kernel, add, aval, instantiate, is_linear, is_zero
 
 _MAX_RANK = 16
 
@@ -61,76 +61,178 @@ def _at_rank(x: jax.Array, rank: int) -> jax.Array:
     return x.reshape((1,) * (rank - x.ndim) + x.shape)
 
 
-def _result(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, dtype)
-
-
-def _call(target: str, shape: tuple[int, ...], dtype: Any, *operands: jax.Array, **attrs: Any):
-    rank = len(shape)
-    return _ffi.call(target, _result(shape, dtype), *(_at_rank(x, rank) for x in operands),
-                     vmap_method="expand_dims", **attrs)
-
-
-def _gradient(target: str, like: jax.Array, shape: tuple[int, ...], *operands: jax.Array,
-              **attrs: Any) -> jax.Array:
-    """The gradient for operand ``like`` from an elementwise kernel over the output shape,
-    summed over the axes along which ``like`` was broadcast (in float32 for half types)."""
-    padded = (1,) * (len(shape) - like.ndim) + like.shape
-    axes = tuple(i for i, (p, s) in enumerate(zip(padded, shape)) if p != s)
-    if not axes:
-        return _call(target, shape, like.dtype, *operands, **attrs).reshape(like.shape)
-    accumulate = jnp.float32 if like.dtype in (jnp.float16, jnp.bfloat16) else like.dtype
-    full = _call(target, shape, accumulate, *operands, **attrs)
-    return jnp.sum(full, axis=axes).reshape(like.shape).astype(like.dtype)
-
-
-# --- array weight ---------------------------------------------------------------------------
-
-
-@jax.custom_vjp
 def _lerp_array(input, end, weight):
     shape = _broadcast_shape(input, end, weight)
-    return _call("jk_lerp_fwd", shape, input.dtype, input, end, weight)
+    rank = len(shape)
+    return _FORWARD(*(_at_rank(x, rank) for x in (input, end, weight)), shape=shape,
+                    dtype=input.dtype)
 
 
-def _lerp_array_fwd(input, end, weight):
-    return _lerp_array(input, end, weight), (input, end, weight)
-
-
-def _lerp_array_bwd(residuals, dout):
-    input, end, weight = residuals
-    shape = dout.shape
-    return (
-        _gradient("jk_lerp_bwd_input", input, shape, dout, weight),
-        _gradient("jk_lerp_bwd_end", end, shape, dout, weight),
-        _gradient("jk_lerp_bwd_weight", weight, shape, dout, input, end),
-    )
-
-
-_lerp_array.defvjp(_lerp_array_fwd, _lerp_array_bwd)
-
-
-# --- Python-scalar weight (static) ------------------------------------------------------------
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _lerp_scalar(input, end, weight: float):
     shape = _broadcast_shape(input, end)
-    return _call("jk_lerp_scalar_fwd", shape, input.dtype, input, end, weight=np.float64(weight))
+    rank = len(shape)
+    return _SCALAR_FORWARD(_at_rank(input, rank), _at_rank(end, rank), shape=shape,
+                           dtype=input.dtype, weight=weight)
 
 
-def _lerp_scalar_fwd(input, end, weight):
-    return _lerp_scalar(input, end, weight), (input, end)
+# --- the kernels as primitives ------------------------------------------------------------------
+# Every kernel is elementwise over `shape` (the output's; operands come at its rank with size-1
+# axes where they broadcast) and writes `dtype` (the operands' dtype, or float32 for half-type
+# gradients that are summed over broadcast axes). lerp is affine in (input, end) and bilinear in
+# (weight, end - input), so each kernel is linear in some operands and its derivatives and
+# transposes are kernels of the same family:
+#   fwd(i, e, w) = i + w (e - i)      bwd_input(d, w) = d (1 - w)     bwd_end(d, w) = d w
+#   bwd_weight(d, i, e) = d (e - i)   scalar_*: the same with a static weight.
 
 
-def _lerp_scalar_bwd(weight, residuals, dout):
-    input, end = residuals
-    shape = dout.shape
-    w = np.float64(weight)
-    return (
-        _gradient("jk_lerp_scalar_bwd_input", input, shape, dout, weight=w),
-        _gradient("jk_lerp_scalar_bwd_end", end, shape, dout, weight=w),
-    )
+def _shape_rule(*operands, shape, dtype, **_):
+    return shape, dtype
 
 
-_lerp_scalar.defvjp(_lerp_scalar_fwd, _lerp_scalar_bwd)
+def _emit(target):
+    def emit(*operands, shape, dtype, weight=None):
+        attrs = {} if weight is None else {"weight": np.float64(weight)}
+        return _ffi.call(target, jax.ShapeDtypeStruct(shape, dtype), *operands, **attrs)
+    return emit
+
+
+def _batch(kernel):
+    def rule(axis_size, operands, batched, *, shape, **params):
+        operands = [x if b else x.reshape((1,) + x.shape) for x, b in zip(operands, batched)]
+        return kernel(*operands, shape=(axis_size,) + shape, **params), True
+    return rule
+
+
+def _reduced(kernel, like, *operands, shape, **params):
+    """`kernel` over `shape`, summed over the axes along which operand `like` (at the output's
+    rank) was broadcast; half types are summed in float32."""
+    like = aval(like)
+    axes = tuple(i for i, (p, s) in enumerate(zip(like.shape, shape)) if p != s)
+    if not axes:
+        return kernel(*operands, shape=shape, dtype=like.dtype, **params)
+    accumulate = jnp.float32 if like.dtype in (jnp.float16, jnp.bfloat16) else like.dtype
+    full = kernel(*operands, shape=shape, dtype=accumulate, **params)
+    return jnp.sum(full, axis=axes, keepdims=True).astype(like.dtype)
+
+
+def _as(x, dtype):
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+def _forward_jvp(primals, tangents, *, shape, dtype):
+    i, e, w = primals
+    ti, te, tw = tangents
+    terms = []
+    if not is_zero(ti) and not is_zero(te):
+        terms.append(_FORWARD(ti, te, w, shape=shape, dtype=dtype))
+    elif not is_zero(ti):
+        terms.append(_BWD_INPUT(ti, w, shape=shape, dtype=dtype))
+    elif not is_zero(te):
+        terms.append(_BWD_END(te, w, shape=shape, dtype=dtype))
+    if not is_zero(tw):
+        terms.append(_BWD_WEIGHT(tw, i, e, shape=shape, dtype=dtype))
+    return add(*terms)
+
+
+def _forward_transpose(ct, i, e, w, *, shape, dtype):
+    ct = _as(ct, aval(w).dtype)
+    return [_reduced(_BWD_INPUT, i, ct, w, shape=shape) if is_linear(i) else None,
+            _reduced(_BWD_END, e, ct, w, shape=shape) if is_linear(e) else None,
+            None]
+
+
+def _bwd_input_jvp(primals, tangents, *, shape, dtype):
+    d, w = primals
+    td, tw = tangents
+    return add(None if is_zero(td) else _BWD_INPUT(td, w, shape=shape, dtype=dtype),
+               None if is_zero(tw) else -_BWD_END(d, tw, shape=shape, dtype=dtype))
+
+
+def _bwd_input_transpose(ct, d, w, *, shape, dtype):
+    return [_reduced(_BWD_INPUT, d, _as(ct, aval(w).dtype), w, shape=shape), None]
+
+
+def _bwd_end_jvp(primals, tangents, *, shape, dtype):
+    d, w = primals
+    td, tw = tangents
+    return add(None if is_zero(td) else _BWD_END(td, w, shape=shape, dtype=dtype),
+               None if is_zero(tw) else _BWD_END(d, tw, shape=shape, dtype=dtype))
+
+
+def _bwd_end_transpose(ct, d, w, *, shape, dtype):
+    # Bilinear and symmetric: the transpose in either operand multiplies by the other.
+    if is_linear(d):
+        return [_reduced(_BWD_END, d, _as(ct, aval(w).dtype), w, shape=shape), None]
+    return [None, _reduced(_BWD_END, w, _as(ct, aval(d).dtype), d, shape=shape)]
+
+
+def _bwd_weight_jvp(primals, tangents, *, shape, dtype):
+    d, i, e = primals
+    td, ti, te = tangents
+    terms = []
+    if not is_zero(td):
+        terms.append(_BWD_WEIGHT(td, i, e, shape=shape, dtype=dtype))
+    if not (is_zero(ti) and is_zero(te)):
+        terms.append(_BWD_WEIGHT(d, instantiate(ti, i), instantiate(te, e), shape=shape,
+                                 dtype=dtype))
+    return add(*terms)
+
+
+def _bwd_weight_transpose(ct, d, i, e, *, shape, dtype):
+    if is_linear(d):
+        return [_reduced(_BWD_WEIGHT, d, _as(ct, aval(i).dtype), i, e, shape=shape),
+                None, None]
+    # Linear in (i, e) jointly: d (e - i).
+    ct = _as(ct, aval(d).dtype)
+    return [None,
+            -_reduced(_BWD_END, i, ct, d, shape=shape) if is_linear(i) else None,
+            _reduced(_BWD_END, e, ct, d, shape=shape) if is_linear(e) else None]
+
+
+def _scalar_forward_jvp(primals, tangents, *, shape, dtype, weight):
+    ti, te = tangents
+    if not is_zero(ti) and not is_zero(te):
+        return _SCALAR_FORWARD(ti, te, shape=shape, dtype=dtype, weight=weight)
+    if not is_zero(ti):
+        return _SCALAR_BWD_INPUT(ti, shape=shape, dtype=dtype, weight=weight)
+    if not is_zero(te):
+        return _SCALAR_BWD_END(te, shape=shape, dtype=dtype, weight=weight)
+    return None
+
+
+def _scalar_forward_transpose(ct, i, e, *, shape, dtype, weight):
+    ct = _as(ct, dtype)
+    return [_reduced(_SCALAR_BWD_INPUT, i, ct, shape=shape, weight=weight)
+            if is_linear(i) else None,
+            _reduced(_SCALAR_BWD_END, e, ct, shape=shape, weight=weight)
+            if is_linear(e) else None]
+
+
+def _scalar_linear(name):
+    """scalar_bwd_input / scalar_bwd_end: a multiplication by a constant, its own transpose."""
+
+    def jvp(primals, tangents, **params):
+        return None if is_zero(tangents[0]) else kernel(tangents[0], **params)
+
+    def transpose(ct, d, *, shape, dtype, weight):
+        return [_reduced(kernel, d, _as(ct, aval(d).dtype), shape=shape,
+                         weight=weight)]
+
+    kernel = Kernel(name, shape=_shape_rule, emit=_emit(name),
+                    batch=lambda *a, **p: _batch(kernel)(*a, **p), jvp=jvp, transpose=transpose)
+    return kernel
+
+
+def _kernel(name, jvp, transpose):
+    kernel = Kernel(name, shape=_shape_rule, emit=_emit(name),
+                    batch=lambda *a, **p: _batch(kernel)(*a, **p), jvp=jvp, transpose=transpose)
+    return kernel
+
+
+_FORWARD = _kernel("jk_lerp_fwd", _forward_jvp, _forward_transpose)
+_BWD_INPUT = _kernel("jk_lerp_bwd_input", _bwd_input_jvp, _bwd_input_transpose)
+_BWD_END = _kernel("jk_lerp_bwd_end", _bwd_end_jvp, _bwd_end_transpose)
+_BWD_WEIGHT = _kernel("jk_lerp_bwd_weight", _bwd_weight_jvp, _bwd_weight_transpose)
+_SCALAR_FORWARD = _kernel("jk_lerp_scalar_fwd", _scalar_forward_jvp, _scalar_forward_transpose)
+_SCALAR_BWD_INPUT = _scalar_linear("jk_lerp_scalar_bwd_input")
+_SCALAR_BWD_END = _scalar_linear("jk_lerp_scalar_bwd_end")

@@ -8,7 +8,6 @@ dimensions with repeat 1.
 
 from __future__ import annotations
 
-import functools
 import operator
 from typing import Any, Sequence
 
@@ -16,7 +15,8 @@ import jax
 import numpy as np
 
 from . import _ffi
-from ._checks import FLOAT_DTYPES, as_array
+from ._checks import as_array
+from ._primitive import Kernel, aval, is_zero
 
 _MAX_REPEATED_AXES = 15
 
@@ -32,8 +32,6 @@ def repeat(x: Any, repeats: int | Sequence[int]) -> jax.Array:
     if np.dtype(x.dtype).itemsize not in (1, 2, 4, 8, 16):
         raise TypeError(f"repeat(): dtype {x.dtype} is not supported (sub-byte element types)")
     repeats = _check_repeats(x, repeats)
-    if np.dtype(x.dtype) in [np.dtype(d) for d in FLOAT_DTYPES]:
-        return _repeat(x, repeats, tuple(x.shape))
     return _forward(x, repeats)
 
 
@@ -62,25 +60,51 @@ def _output_shape(shape: tuple[int, ...], repeats: tuple[int, ...]) -> tuple[int
 
 
 def _forward(x: jax.Array, repeats: tuple[int, ...]) -> jax.Array:
-    out = jax.ShapeDtypeStruct(_output_shape(x.shape, repeats), x.dtype)
-    return _ffi.call("jk_repeat_fwd", out, x, vmap_method="expand_dims",
-                     repeats=np.asarray(repeats, dtype=np.int64))
+    return _tile(x, repeats=repeats, batch=0)
 
 
-# x's shape is a static argument: the backward needs it (a zero repeat hides it in dout's shape).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _repeat(x, repeats, shape):
-    return _forward(x, repeats)
+# --- the two kernels as primitives ------------------------------------------------------------
+# `batch` leading axes of the operand are batch axes (repeat 1) that vmap added; the kernels
+# take them as such. The forward is linear in x and the backward in dout, and each is the
+# other's transpose, so every derivative of any order is one of the two kernels.
 
 
-def _repeat_fwd(x, repeats, shape):
-    return _forward(x, repeats), None
+def _tile_shape(x, *, repeats, batch):
+    return x.shape[:batch] + _output_shape(x.shape[batch:], repeats), x.dtype
 
 
-def _repeat_bwd(repeats, shape, _, dout):
-    dx = jax.ShapeDtypeStruct(shape, dout.dtype)
-    return (_ffi.call("jk_repeat_bwd", dx, dout, vmap_method="expand_dims",
-                      repeats=np.asarray(repeats, dtype=np.int64)),)
+def _emit_tile(x, *, repeats, batch):
+    out = jax.ShapeDtypeStruct(_tile_shape(x, repeats=repeats, batch=batch)[0], x.dtype)
+    return _ffi.call("jk_repeat_fwd", out, x, repeats=np.asarray(repeats, dtype=np.int64))
 
 
-_repeat.defvjp(_repeat_fwd, _repeat_bwd)
+def _sum_shape(dout, *, repeats, shape, batch):
+    return dout.shape[:batch] + shape, dout.dtype
+
+
+def _emit_sum(dout, *, repeats, shape, batch):
+    dx = jax.ShapeDtypeStruct(dout.shape[:batch] + shape, dout.dtype)
+    return _ffi.call("jk_repeat_bwd", dx, dout, repeats=np.asarray(repeats, dtype=np.int64))
+
+
+def _batch_rule(kernel):
+    def rule(axis_size, operands, batched, **params):
+        (operand,) = operands
+        return kernel(operand, **dict(params, batch=params["batch"] + 1)), True
+    return rule
+
+
+_tile = Kernel(
+    "jk_repeat_fwd", shape=_tile_shape, emit=_emit_tile,
+    batch=lambda *a, **p: _batch_rule(_tile)(*a, **p),
+    jvp=lambda primals, tangents, **p: None if is_zero(tangents[0]) else _tile(tangents[0], **p),
+    transpose=lambda ct, x, *, repeats, batch: [
+        _sum(ct, repeats=repeats, shape=tuple(aval(x).shape[batch:]), batch=batch)],
+)
+
+_sum = Kernel(
+    "jk_repeat_bwd", shape=_sum_shape, emit=_emit_sum,
+    batch=lambda *a, **p: _batch_rule(_sum)(*a, **p),
+    jvp=lambda primals, tangents, **p: None if is_zero(tangents[0]) else _sum(tangents[0], **p),
+    transpose=lambda ct, dout, *, repeats, shape, batch: [_tile(ct, repeats=repeats, batch=batch)],
+)
