@@ -124,7 +124,7 @@ class Kernel:
         out = self(*primals, **params)
         tangent = self._jvp(tuple(primals), tuple(tangents), **params)
         if tangent is None:
-            return out, ad.Zero.from_primal_value(out)
+            return out, ad.Zero(jax.typeof(out).to_tangent_aval())
         return out, tangent
 
     def _transpose_rule(self, cotangent: Any, *operands: Any, **params: Any):

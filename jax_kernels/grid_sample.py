@@ -17,16 +17,15 @@ nesting materializes an operand (a broadcast), never a loop.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_batching import custom_vmap
 
 from . import _ffi
 from ._checks import as_array, check_float_dtypes
+from ._primitive import Kernel, add, aval, is_linear, is_zero
 
 _MODES = _ffi.ENUMS["GridSampleMode"]
 _PADDINGS = _ffi.ENUMS["GridSamplePadding"]
@@ -103,41 +102,38 @@ def _check(input, grid, mode, padding_mode, align_corners, deterministic) -> _At
     return _Attrs(_MODES[mode], _PADDINGS[padding_mode], bool(align_corners), bool(deterministic))
 
 
-# --- differentiation ------------------------------------------------------------------------
+# --- the kernels as primitives ------------------------------------------------------------------
+# With W_t(g) the weight of tap t of an output point at grid coordinates g, and directions u, v
+# (arrays shaped like the grid), three families of passes, k = 0, 1, 2 directions:
+#   gather_k(input, grid, u..)   out[c, p]   = sum_t input[c, tap_t] D^k W_t[u..]
+#   scatter_k(dout, grid, u..)   d_in[c, x]  = sum_{p, t: tap_t = x} dout[c, p] D^k W_t[u..]
+#   reduce_j(dout, input, grid, u..)   d_grid[p, a] = sum_{c, t} dout[c, p] input[c, tap_t]
+#                                                       D^(j+1) W_t[u.., e_a]
+# gather_0 is the forward, scatter_0 the input gradient and reduce_0 the grid gradient (the
+# existing targets); k >= 1 are the "directional" targets. Each pass is linear in its value
+# operand (input or dout) and in each direction, and its derivative along the grid is the pass
+# with one more direction, so the family is closed under JVP and transposition up to second
+# order: gather_k is scatter_k's transpose in the values, and reduce_(k-1)'s in a direction.
+# Third derivatives along the grid are not provided.
+
+_MAX_ORDER = 2  # derivatives along the grid
+
+
+def _grid_sample_call(input, grid, attrs):
+    return _GATHER(input, grid, attrs=attrs, maps=_identity_maps(input, grid))
+
+
+# Called through jit so that eager calls reuse compiled executables (the CUDA/CPU choice of the
+# backward would otherwise be traced and compiled anew on every eager gradient).
+_grid_sample_jit = jax.jit(_grid_sample_call, static_argnums=(2,))
+
+
+def _identity_map(rows: int) -> tuple[int, int]:
+    return (1, max(rows, 1))
 
 
 def _identity_maps(*operands: jax.Array) -> tuple[tuple[int, int], ...]:
-    return tuple((1, max(x.shape[0], 1)) for x in operands)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _grid_sample(input, grid, attrs):
-    return _kernel("fwd", attrs, _identity_maps(input, grid), ())(input, grid)
-
-
-def _grid_sample_fwd(input, grid, attrs):
-    return _grid_sample(input, grid, attrs), (input, grid)
-
-
-def _grid_sample_bwd(attrs, residuals, dout):
-    input, grid = residuals
-    d_input = _kernel("bwd_input", attrs, _identity_maps(dout, grid), tuple(input.shape[1:]))(
-        dout, grid)
-    if attrs.mode == _MODES["nearest"]:
-        d_grid = jnp.zeros_like(grid)
-    else:
-        d_grid = _kernel("bwd_grid", attrs, _identity_maps(dout, input, grid), ())(
-            dout, input, grid)
-    return d_input, d_grid
-
-
-_grid_sample.defvjp(_grid_sample_fwd, _grid_sample_bwd)
-# Called through jit so that eager calls reuse compiled executables (the CUDA/CPU choice of the
-# backward would otherwise be traced and compiled anew on every eager gradient).
-_grid_sample_jit = jax.jit(_grid_sample, static_argnums=(2,))
-
-
-# --- kernel calls and their batching ---------------------------------------------------------
+    return tuple(_identity_map(x.shape[0]) for x in operands)
 
 
 def _output_batch(rows: int, map_: tuple[int, int]) -> int:
@@ -146,30 +142,221 @@ def _output_batch(rows: int, map_: tuple[int, int]) -> int:
     return rows // chunk * repeat * chunk
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel(pass_: str, attrs: _Attrs, maps: tuple[tuple[int, int], ...],
-            cells_shape: tuple[int, ...]):
-    """The FFI call of one pass ("fwd", "bwd_input", "bwd_grid") for the given batch maps, as a
-    custom_vmap function of the pass's operands. `cells_shape` is d_input's (C, *spatial)."""
+def _unmap(x: jax.Array, map_: tuple[int, int], rows: int) -> jax.Array:
+    """The cotangent of an operand with `rows` rows read through `map_` from per-output-row
+    cotangents x [M, ...]: the rows that reused one operand row are summed."""
+    repeat, chunk = map_
+    if repeat == 1:
+        return x
+    acc = jnp.float32 if x.dtype in (jnp.float16, jnp.bfloat16) else x.dtype
+    blocks = x.reshape((rows // chunk, repeat, chunk) + x.shape[1:]).astype(acc)
+    return blocks.sum(axis=1).reshape((rows,) + x.shape[1:]).astype(x.dtype)
 
-    @custom_vmap
-    def call(*operands):
-        return _emit(pass_, attrs, maps, cells_shape, operands)
 
-    @call.def_vmap
-    def rule(axis_size, in_batched, *operands):
+def _too_high() -> NotImplementedError:
+    return NotImplementedError(
+        f"grid_sample(): derivatives of order above {_MAX_ORDER} with respect to the grid are not "
+        "supported")
+
+
+def _nearest(attrs: _Attrs) -> bool:
+    return attrs.mode == _MODES["nearest"]
+
+
+def _replaced(seq, index, value):
+    seq = list(seq)
+    seq[index] = value
+    return tuple(seq)
+
+
+def _without(seq, index):
+    return tuple(s for i, s in enumerate(seq) if i != index)
+
+
+# gather_k(input, grid, *directions)
+
+
+def _gather_shape(input, grid, *directions, attrs, maps):
+    M = _output_batch(input.shape[0], maps[0])
+    return (M, input.shape[1]) + grid.shape[1:-1], input.dtype
+
+
+def _gather_emit(input, grid, *directions, attrs, maps):
+    out = jax.ShapeDtypeStruct(*_gather_shape(input, grid, attrs=attrs, maps=maps))
+    target = "jk_grid_sample_fwd_directional" if directions else "jk_grid_sample_fwd"
+    return _ffi.call(target, out, input, grid, *directions, **_ffi_attributes(attrs, maps))
+
+
+def _gather_jvp(primals, tangents, *, attrs, maps):
+    input, grid, *dirs = primals
+    t_input, t_grid, *t_dirs = tangents
+    terms = []
+    if not is_zero(t_input):
+        terms.append(_GATHER(t_input, grid, *dirs, attrs=attrs, maps=maps))
+    for j, t in enumerate(t_dirs):
+        if not is_zero(t):
+            terms.append(_GATHER(input, grid, *_replaced(dirs, j, t), attrs=attrs, maps=maps))
+    if not is_zero(t_grid) and not _nearest(attrs):
+        if len(dirs) == _MAX_ORDER:
+            raise _too_high()
+        terms.append(_GATHER(input, grid, *dirs, t_grid, attrs=attrs, maps=maps + (maps[1],)))
+    return add(*terms)
+
+
+def _gather_transpose(ct, input, grid, *dirs, attrs, maps):
+    ct_map = _identity_map(ct.shape[0])
+    cts = [None] * (2 + len(dirs))
+    if is_linear(input):
+        shape = aval(input).shape
+        d_input = _SCATTER(ct, grid, *dirs, attrs=attrs, maps=(ct_map,) + maps[1:],
+                           cells_shape=tuple(shape[1:]))
+        cts[0] = _unmap(d_input, maps[0], shape[0])
+    for j, d in enumerate(dirs):
+        if is_linear(d):
+            rest = _without(dirs, j)
+            d_dir = _REDUCE(ct, input, grid, *rest, attrs=attrs,
+                            maps=(ct_map,) + maps[:2] + _without(maps[2:], j))
+            cts[2 + j] = _unmap(d_dir, maps[2 + j], aval(d).shape[0])
+    return cts
+
+
+# scatter_k(dout, grid, *directions)
+
+
+def _scatter_shape(dout, grid, *directions, attrs, maps, cells_shape):
+    return (_output_batch(dout.shape[0], maps[0]),) + cells_shape, dout.dtype
+
+
+def _scatter_emit(dout, grid, *directions, attrs, maps, cells_shape):
+    d_input = jax.ShapeDtypeStruct(*_scatter_shape(dout, grid, attrs=attrs, maps=maps,
+                                                    cells_shape=cells_shape))
+    # The directional passes always take the deterministic (sorted) CUDA path.
+    deterministic = attrs.deterministic or bool(directions)
+
+    def scratch_bytes():
+        return _ffi.query("grid_sample_bwd_input_scratch", batch=d_input.shape[0],
+                          points=int(np.prod(grid.shape[1:-1])),
+                          cells=int(np.prod(d_input.shape[2:])), dims=grid.shape[-1],
+                          mode=attrs.mode, element_bytes=np.dtype(dout.dtype).itemsize,
+                          deterministic=deterministic)
+
+    target = "jk_grid_sample_bwd_input_directional" if directions else "jk_grid_sample_bwd_input"
+    return _ffi.call_with_cuda_scratch(target, d_input, dout, grid, *directions,
+                                       scratch_bytes=scratch_bytes, cpu_scratch=True,
+                                       **_ffi_attributes(attrs, maps))
+
+
+def _scatter_jvp(primals, tangents, *, attrs, maps, cells_shape):
+    dout, grid, *dirs = primals
+    t_dout, t_grid, *t_dirs = tangents
+    kw = dict(attrs=attrs, maps=maps, cells_shape=cells_shape)
+    terms = []
+    if not is_zero(t_dout):
+        terms.append(_SCATTER(t_dout, grid, *dirs, **kw))
+    for j, t in enumerate(t_dirs):
+        if not is_zero(t):
+            terms.append(_SCATTER(dout, grid, *_replaced(dirs, j, t), **kw))
+    if not is_zero(t_grid) and not _nearest(attrs):
+        if len(dirs) == _MAX_ORDER:
+            raise _too_high()
+        terms.append(_SCATTER(dout, grid, *dirs, t_grid, attrs=attrs, maps=maps + (maps[1],),
+                              cells_shape=cells_shape))
+    return add(*terms)
+
+
+def _scatter_transpose(ct, dout, grid, *dirs, attrs, maps, cells_shape):
+    ct_map = _identity_map(ct.shape[0])
+    cts = [None] * (2 + len(dirs))
+    if is_linear(dout):
+        d_dout = _GATHER(ct, grid, *dirs, attrs=attrs, maps=(ct_map,) + maps[1:])
+        cts[0] = _unmap(d_dout, maps[0], aval(dout).shape[0])
+    for j, d in enumerate(dirs):
+        if is_linear(d):
+            d_dir = _REDUCE(dout, ct, grid, *_without(dirs, j), attrs=attrs,
+                            maps=(maps[0], ct_map, maps[1]) + _without(maps[2:], j))
+            cts[2 + j] = _unmap(d_dir, maps[2 + j], aval(d).shape[0])
+    return cts
+
+
+# reduce_j(dout, input, grid, *directions)
+
+
+def _reduce_shape(dout, input, grid, *directions, attrs, maps):
+    return (_output_batch(dout.shape[0], maps[0]),) + grid.shape[1:], grid.dtype
+
+
+def _reduce_emit(dout, input, grid, *directions, attrs, maps):
+    d_grid = jax.ShapeDtypeStruct(*_reduce_shape(dout, input, grid, attrs=attrs, maps=maps))
+    if _nearest(attrs):  # the weights do not move with the grid
+        return jnp.zeros(d_grid.shape, d_grid.dtype)
+    target = "jk_grid_sample_bwd_grid_directional" if directions else "jk_grid_sample_bwd_grid"
+    return _ffi.call(target, d_grid, dout, input, grid, *directions,
+                     **_ffi_attributes(attrs, maps))
+
+
+def _reduce_jvp(primals, tangents, *, attrs, maps):
+    if _nearest(attrs):
+        return None
+    dout, input, grid, *dirs = primals
+    t_dout, t_input, t_grid, *t_dirs = tangents
+    terms = []
+    if not is_zero(t_dout):
+        terms.append(_REDUCE(t_dout, input, grid, *dirs, attrs=attrs, maps=maps))
+    if not is_zero(t_input):
+        terms.append(_REDUCE(dout, t_input, grid, *dirs, attrs=attrs, maps=maps))
+    for j, t in enumerate(t_dirs):
+        if not is_zero(t):
+            terms.append(_REDUCE(dout, input, grid, *_replaced(dirs, j, t), attrs=attrs,
+                                 maps=maps))
+    if not is_zero(t_grid):
+        if len(dirs) + 1 == _MAX_ORDER:
+            raise _too_high()
+        terms.append(_REDUCE(dout, input, grid, *dirs, t_grid, attrs=attrs,
+                             maps=maps + (maps[2],)))
+    return add(*terms)
+
+
+def _reduce_transpose(ct, dout, input, grid, *dirs, attrs, maps):
+    cts = [None] * (3 + len(dirs))
+    if _nearest(attrs):
+        return cts
+    ct_map = _identity_map(ct.shape[0])
+    if is_linear(dout):
+        d_dout = _GATHER(input, grid, *dirs, ct, attrs=attrs, maps=maps[1:] + (ct_map,))
+        cts[0] = _unmap(d_dout, maps[0], aval(dout).shape[0])
+    if is_linear(input):
+        shape = aval(input).shape
+        d_input = _SCATTER(dout, grid, *dirs, ct, attrs=attrs,
+                           maps=(maps[0],) + maps[2:] + (ct_map,), cells_shape=tuple(shape[1:]))
+        cts[1] = _unmap(d_input, maps[1], shape[0])
+    for j, d in enumerate(dirs):
+        if is_linear(d):
+            d_dir = _REDUCE(dout, input, grid, *_without(dirs, j), ct, attrs=attrs,
+                            maps=maps[:3] + _without(maps[3:], j) + (ct_map,))
+            cts[3 + j] = _unmap(d_dir, maps[3 + j], aval(d).shape[0])
+    return cts
+
+
+# --- batching ----------------------------------------------------------------------------------
+
+
+def _batched(kernel):
+    """The batching rule of a pass: the vmapped axis folds into the output batch M; operands
+    without it are reused through their batch maps, not copied."""
+
+    def rule(axis_size, operands, in_batched, *, maps, **params):
         if axis_size == 0:  # nothing to compute: an empty batch of per-example results
             per_example = [jax.ShapeDtypeStruct(x.shape[1:] if b else x.shape, x.dtype)
                            for x, b in zip(operands, in_batched)]
-            out = jax.eval_shape(call, *per_example)
+            out = jax.eval_shape(lambda *a: kernel(*a, maps=maps, **params), *per_example)
             return jnp.zeros((0,) + out.shape, out.dtype), True
         first = operands[0]
         batch = _output_batch(first.shape[1] if in_batched[0] else first.shape[0], maps[0])
         folded, folded_maps = _fold(axis_size, in_batched, operands, maps, batch)
-        out = _kernel(pass_, attrs, folded_maps, cells_shape)(*folded)
+        out = kernel(*folded, maps=folded_maps, **params)
         return out.reshape((axis_size, batch) + out.shape[1:]), True
 
-    return call
+    return rule
 
 
 def _fold(axis_size, in_batched, operands, maps, batch):
@@ -194,39 +381,23 @@ def _fold(axis_size, in_batched, operands, maps, batch):
     return folded, tuple(folded_maps)
 
 
-def _emit(pass_, attrs, maps, cells_shape, operands):
-    batch = _output_batch(operands[0].shape[0], maps[0])
+def _ffi_attributes(attrs: _Attrs, maps) -> dict[str, Any]:
     # GridSampleAttrs in grid_sample.h: every target takes all of them.
-    attributes = dict(
+    return dict(
         mode=np.int64(attrs.mode),
         padding=np.int64(attrs.padding),
         align_corners=attrs.align_corners,
         batch_maps=np.asarray([v for m in maps for v in m], dtype=np.int64),
         deterministic=attrs.deterministic,
     )
-    if pass_ == "fwd":
-        input, grid = operands
-        out = jax.ShapeDtypeStruct((batch, input.shape[1]) + grid.shape[1:-1], input.dtype)
-        return _ffi.call("jk_grid_sample_fwd", out, input, grid, **attributes)
-    if pass_ == "bwd_grid":
-        dout, input, grid = operands
-        d_grid = jax.ShapeDtypeStruct((batch,) + grid.shape[1:], grid.dtype)
-        return _ffi.call("jk_grid_sample_bwd_grid", d_grid, dout, input, grid, **attributes)
-    dout, grid = operands
-    d_input = jax.ShapeDtypeStruct((batch,) + cells_shape, dout.dtype)
-    return _backward_input(dout, grid, d_input, attrs, attributes)
 
 
-def _backward_input(dout, grid, d_input, attrs, attributes):
-    """The d_input call; its scratch result (empty except for the CUDA sorted path) is dropped."""
-
-    def scratch_bytes():
-        return _ffi.query("grid_sample_bwd_input_scratch", batch=d_input.shape[0],
-                          points=int(np.prod(grid.shape[1:-1])),
-                          cells=int(np.prod(d_input.shape[2:])), dims=grid.shape[-1],
-                          mode=attrs.mode, element_bytes=np.dtype(dout.dtype).itemsize,
-                          deterministic=attrs.deterministic)
-
-    return _ffi.call_with_cuda_scratch("jk_grid_sample_bwd_input", d_input, dout, grid,
-                                       scratch_bytes=scratch_bytes, cpu_scratch=True,
-                                       **attributes)
+_GATHER = Kernel("jk_grid_sample_gather", shape=_gather_shape, emit=_gather_emit,
+                 batch=lambda *a, **p: _batched(_GATHER)(*a, **p), jvp=_gather_jvp,
+                 transpose=_gather_transpose)
+_SCATTER = Kernel("jk_grid_sample_scatter", shape=_scatter_shape, emit=_scatter_emit,
+                  batch=lambda *a, **p: _batched(_SCATTER)(*a, **p), jvp=_scatter_jvp,
+                  transpose=_scatter_transpose)
+_REDUCE = Kernel("jk_grid_sample_reduce", shape=_reduce_shape, emit=_reduce_emit,
+                 batch=lambda *a, **p: _batched(_REDUCE)(*a, **p), jvp=_reduce_jvp,
+                 transpose=_reduce_transpose)

@@ -13,7 +13,6 @@ the wrapper drops it.
 
 from __future__ import annotations
 
-import functools
 import numbers
 import operator
 from typing import Any, NamedTuple, Sequence
@@ -24,6 +23,7 @@ import numpy as np
 
 from . import _ffi
 from ._checks import as_array, check_float_dtypes
+from ._primitive import Kernel, add, aval, is_linear, is_zero
 
 _MAX_BATCH_TERMS = 8  # kRoiAlignMaxBatchTerms in roi_align.h
 _MAX_SAMPLING_RATIO = 1 << 20  # kRoiAlignMaxAdaptiveGrid
@@ -177,13 +177,60 @@ def _rows(x: jax.Array, batched: bool) -> int:
     return x.shape[1] if batched else x.shape[0]
 
 
-# --- forward ------------------------------------------------------------------------------------
+# --- the kernels as primitives ------------------------------------------------------------------
+# Box k's samples sit at positions affine in its coordinates; with W_s the bilinear weights of
+# sample s and directions u, v shaped like the boxes ([K, 5], the batch-index column ignored),
+# three families of passes, k = 0, 1, 2 directions:
+#   gather_k(input, boxes, u..)          out[k, c, bin] = mean_s sum_corners input D^k W_s[u..]
+#   scatter_k(dout, boxes, u..)          d_input: gather_k's transpose in the input
+#   reduce_j(dout, input, boxes, u..)    d_boxes[k, :] = D^(j+1) <dout, gather_0>[u.., .]
+# gather_0 is the forward, scatter_0 the input gradient and reduce_0 the box gradient; k >= 1
+# are the "directional" targets. Each pass is linear in its value operand and each direction,
+# and its derivative along the boxes is the pass with one more direction: the family is closed
+# under JVP and transposition up to second order (third derivatives along the boxes are not
+# provided).
+
+_MAX_ORDER = 2  # derivatives along the box coordinates
 
 
-def _forward_call(attrs: _Attrs, batching: _Batching, input: jax.Array,
-                  boxes: jax.Array) -> jax.Array:
-    shape = (boxes.shape[0], input.shape[1], attrs.pooled_height, attrs.pooled_width)
-    result = jax.ShapeDtypeStruct(shape, input.dtype)
+def _roi_align(input, boxes, attrs: _Attrs):
+    return _GATHER(input, boxes, attrs=attrs, batching=_Batching(input.shape[0]))
+
+
+# Called through jit so that eager calls reuse compiled executables (the CUDA/CPU choice of the
+# backward would otherwise be traced and compiled anew on every eager gradient).
+_roi_align_jit = jax.jit(_roi_align, static_argnums=(2,))
+
+
+def _too_high() -> NotImplementedError:
+    return NotImplementedError(
+        f"roi_align(): derivatives of order above {_MAX_ORDER} with respect to the boxes are not "
+        "supported")
+
+
+def _replaced(seq, index, value):
+    seq = list(seq)
+    seq[index] = value
+    return tuple(seq)
+
+
+def _without(seq, index):
+    return tuple(s for i, s in enumerate(seq) if i != index)
+
+
+# gather_k(input, boxes, *directions)
+
+
+def _gather_shape(input, boxes, *directions, attrs, batching):
+    return (boxes.shape[0], input.shape[1], attrs.pooled_height, attrs.pooled_width), input.dtype
+
+
+def _gather_emit(input, boxes, *directions, attrs, batching):
+    result = jax.ShapeDtypeStruct(*_gather_shape(input, boxes, attrs=attrs, batching=batching))
+    attributes = _ffi_attributes(attrs, batching)
+    if directions:
+        return _ffi.call("jk_roi_align_fwd_directional", result, input, boxes, *directions,
+                         **attributes)
 
     def scratch_bytes():
         # The CUDA forward stages the input in NHWC order and sorts the boxes by position in
@@ -198,35 +245,50 @@ def _forward_call(attrs: _Attrs, batching: _Batching, input: jax.Array,
         return nbytes
 
     return _ffi.call_with_cuda_scratch("jk_roi_align_fwd", result, input, boxes,
-                                       scratch_bytes=scratch_bytes, **_ffi_attributes(attrs, batching))
+                                       scratch_bytes=scratch_bytes, **attributes)
 
 
-@functools.lru_cache(maxsize=None)
-def _forward(attrs: _Attrs, batching: _Batching):
-    @jax.custom_batching.custom_vmap
-    def forward(input, boxes):
-        return _forward_call(attrs, batching, input, boxes)
-
-    @forward.def_vmap
-    def forward_rule(axis_size, in_batched, input, boxes):
-        input_batched, boxes_batched = in_batched
-        rows = _rows(boxes, boxes_batched)
-        folded = batching
-        if input_batched:
-            folded = batching.fold_images(rows, axis_size, input.shape[1])
-            input = input.reshape((axis_size * input.shape[1],) + input.shape[2:])
-        out = _forward(attrs, folded)(input, _fold_rows(boxes, boxes_batched, axis_size))
-        return out.reshape((axis_size, rows) + out.shape[1:]), True
-
-    return forward
+def _gather_jvp(primals, tangents, *, attrs, batching):
+    input, boxes, *dirs = primals
+    t_input, t_boxes, *t_dirs = tangents
+    kw = dict(attrs=attrs, batching=batching)
+    terms = []
+    if not is_zero(t_input):
+        terms.append(_GATHER(t_input, boxes, *dirs, **kw))
+    for j, t in enumerate(t_dirs):
+        if not is_zero(t):
+            terms.append(_GATHER(input, boxes, *_replaced(dirs, j, t), **kw))
+    if not is_zero(t_boxes):
+        if len(dirs) == _MAX_ORDER:
+            raise _too_high()
+        terms.append(_GATHER(input, boxes, *dirs, t_boxes, **kw))
+    return add(*terms)
 
 
-# --- backward: input gradient ---------------------------------------------------------------------
+def _gather_transpose(ct, input, boxes, *dirs, attrs, batching):
+    kw = dict(attrs=attrs, batching=batching)
+    cts = [None] * (2 + len(dirs))
+    if is_linear(input):
+        cts[0] = _SCATTER(ct, boxes, *dirs, shape=tuple(aval(input).shape), **kw)
+    for j, d in enumerate(dirs):
+        if is_linear(d):
+            cts[2 + j] = _REDUCE(ct, input, boxes, *_without(dirs, j), **kw)
+    return cts
 
 
-def _backward_input_call(attrs: _Attrs, batching: _Batching, shape: tuple[int, ...],
-                         dout: jax.Array, boxes: jax.Array) -> jax.Array:
+# scatter_k(dout, boxes, *directions)
+
+
+def _scatter_shape(dout, boxes, *directions, attrs, batching, shape):
+    return shape, dout.dtype
+
+
+def _scatter_emit(dout, boxes, *directions, attrs, batching, shape):
     result = jax.ShapeDtypeStruct(shape, dout.dtype)
+    attributes = _ffi_attributes(attrs, batching)
+    if directions:
+        return _ffi.call("jk_roi_align_bwd_input_directional", result, dout, boxes, *directions,
+                         **attributes)
 
     def scratch_bytes():
         # deterministic=False takes float atomics for float32/float64 (no scratch); the half
@@ -247,74 +309,124 @@ def _backward_input_call(attrs: _Attrs, batching: _Batching, shape: tuple[int, .
         return nbytes
 
     return _ffi.call_with_cuda_scratch("jk_roi_align_bwd_input", result, dout, boxes,
-                                       scratch_bytes=scratch_bytes,
-                                       **_ffi_attributes(attrs, batching))
+                                       scratch_bytes=scratch_bytes, **attributes)
 
 
-@functools.lru_cache(maxsize=None)
-def _backward_input(attrs: _Attrs, batching: _Batching, shape: tuple[int, ...]):
-    @jax.custom_batching.custom_vmap
-    def backward_input(dout, boxes):
-        return _backward_input_call(attrs, batching, shape, dout, boxes)
-
-    @backward_input.def_vmap
-    def backward_input_rule(axis_size, in_batched, dout, boxes):
-        dout_batched, boxes_batched = in_batched
-        folded = batching.fold_images(_rows(boxes, boxes_batched), axis_size, shape[0])
-        folded_shape = (axis_size * shape[0],) + shape[1:]
-        d_input = _backward_input(attrs, folded, folded_shape)(
-            _fold_rows(dout, dout_batched, axis_size), _fold_rows(boxes, boxes_batched, axis_size))
-        return d_input.reshape((axis_size,) + shape), True
-
-    return backward_input
-
-
-# --- backward: box gradient -----------------------------------------------------------------------
+def _scatter_jvp(primals, tangents, *, attrs, batching, shape):
+    dout, boxes, *dirs = primals
+    t_dout, t_boxes, *t_dirs = tangents
+    kw = dict(attrs=attrs, batching=batching, shape=shape)
+    terms = []
+    if not is_zero(t_dout):
+        terms.append(_SCATTER(t_dout, boxes, *dirs, **kw))
+    for j, t in enumerate(t_dirs):
+        if not is_zero(t):
+            terms.append(_SCATTER(dout, boxes, *_replaced(dirs, j, t), **kw))
+    if not is_zero(t_boxes):
+        if len(dirs) == _MAX_ORDER:
+            raise _too_high()
+        terms.append(_SCATTER(dout, boxes, *dirs, t_boxes, **kw))
+    return add(*terms)
 
 
-@functools.lru_cache(maxsize=None)
-def _backward_boxes(attrs: _Attrs, batching: _Batching):
-    @jax.custom_batching.custom_vmap
-    def backward_boxes(dout, input, boxes):
-        return _ffi.call("jk_roi_align_bwd_boxes", jax.ShapeDtypeStruct(boxes.shape, boxes.dtype),
-                         dout, input, boxes, **_ffi_attributes(attrs, batching))
-
-    @backward_boxes.def_vmap
-    def backward_boxes_rule(axis_size, in_batched, dout, input, boxes):
-        dout_batched, input_batched, boxes_batched = in_batched
-        rows = _rows(boxes, boxes_batched)
-        folded = batching
-        if input_batched:
-            folded = batching.fold_images(rows, axis_size, input.shape[1])
-            input = input.reshape((axis_size * input.shape[1],) + input.shape[2:])
-        d_boxes = _backward_boxes(attrs, folded)(_fold_rows(dout, dout_batched, axis_size), input,
-                                                  _fold_rows(boxes, boxes_batched, axis_size))
-        return d_boxes.reshape((axis_size, rows, 5)), True
-
-    return backward_boxes
+def _scatter_transpose(ct, dout, boxes, *dirs, attrs, batching, shape):
+    kw = dict(attrs=attrs, batching=batching)
+    cts = [None] * (2 + len(dirs))
+    if is_linear(dout):
+        cts[0] = _GATHER(ct, boxes, *dirs, **kw)
+    for j, d in enumerate(dirs):
+        if is_linear(d):
+            cts[2 + j] = _REDUCE(dout, ct, boxes, *_without(dirs, j), **kw)
+    return cts
 
 
-# --- differentiation --------------------------------------------------------------------------
+# reduce_j(dout, input, boxes, *directions)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _roi_align(input, boxes, attrs: _Attrs):
-    return _forward(attrs, _Batching(input.shape[0]))(input, boxes)
+def _reduce_shape(dout, input, boxes, *directions, attrs, batching):
+    return boxes.shape, boxes.dtype
 
 
-def _roi_align_fwd(input, boxes, attrs):
-    return _roi_align(input, boxes, attrs), (input, boxes)
+def _reduce_emit(dout, input, boxes, *directions, attrs, batching):
+    target = "jk_roi_align_bwd_boxes_directional" if directions else "jk_roi_align_bwd_boxes"
+    return _ffi.call(target, jax.ShapeDtypeStruct(boxes.shape, boxes.dtype), dout, input, boxes,
+                     *directions, **_ffi_attributes(attrs, batching))
 
 
-def _roi_align_bwd(attrs, residuals, dout):
-    input, boxes = residuals
-    batching = _Batching(input.shape[0])
-    d_input = _backward_input(attrs, batching, tuple(input.shape))(dout, boxes)
-    d_boxes = _backward_boxes(attrs, batching)(dout, input, boxes)
-    return d_input, d_boxes
+def _reduce_jvp(primals, tangents, *, attrs, batching):
+    dout, input, boxes, *dirs = primals
+    t_dout, t_input, t_boxes, *t_dirs = tangents
+    kw = dict(attrs=attrs, batching=batching)
+    terms = []
+    if not is_zero(t_dout):
+        terms.append(_REDUCE(t_dout, input, boxes, *dirs, **kw))
+    if not is_zero(t_input):
+        terms.append(_REDUCE(dout, t_input, boxes, *dirs, **kw))
+    for j, t in enumerate(t_dirs):
+        if not is_zero(t):
+            terms.append(_REDUCE(dout, input, boxes, *_replaced(dirs, j, t), **kw))
+    if not is_zero(t_boxes):
+        if len(dirs) + 1 == _MAX_ORDER:
+            raise _too_high()
+        terms.append(_REDUCE(dout, input, boxes, *dirs, t_boxes, **kw))
+    return add(*terms)
 
 
-_roi_align.defvjp(_roi_align_fwd, _roi_align_bwd)
-# Called through jit so that eager calls reuse compiled executables (the CUDA/CPU choice of the
-# backward would otherwise be traced and compiled anew on every eager gradient).
-_roi_align_jit = jax.jit(_roi_align, static_argnums=(2,))
+def _reduce_transpose(ct, dout, input, boxes, *dirs, attrs, batching):
+    kw = dict(attrs=attrs, batching=batching)
+    cts = [None] * (3 + len(dirs))
+    if is_linear(dout):
+        cts[0] = _GATHER(input, boxes, *dirs, ct, **kw)
+    if is_linear(input):
+        cts[1] = _SCATTER(dout, boxes, *dirs, ct, shape=tuple(aval(input).shape), **kw)
+    for j, d in enumerate(dirs):
+        if is_linear(d):
+            cts[3 + j] = _REDUCE(dout, input, boxes, *_without(dirs, j), ct, **kw)
+    return cts
+
+
+# --- batching: boxes, output gradients and directions fold into K; the input into N -------------
+
+
+def _gather_batched(axis_size, operands, in_batched, *, attrs, batching):
+    input, *rows_operands = operands
+    input_batched, *rows_batched = in_batched
+    rows = _rows(rows_operands[0], rows_batched[0])
+    folded = batching
+    if input_batched:
+        folded = batching.fold_images(rows, axis_size, input.shape[1])
+        input = input.reshape((axis_size * input.shape[1],) + input.shape[2:])
+    out = _GATHER(input, *(_fold_rows(x, b, axis_size) for x, b in zip(rows_operands, rows_batched)),
+                  attrs=attrs, batching=folded)
+    return out.reshape((axis_size, rows) + out.shape[1:]), True
+
+
+def _scatter_batched(axis_size, operands, in_batched, *, attrs, batching, shape):
+    rows = _rows(operands[1], in_batched[1])
+    folded = batching.fold_images(rows, axis_size, shape[0])
+    folded_shape = (axis_size * shape[0],) + shape[1:]
+    d_input = _SCATTER(*(_fold_rows(x, b, axis_size) for x, b in zip(operands, in_batched)),
+                       attrs=attrs, batching=folded, shape=folded_shape)
+    return d_input.reshape((axis_size,) + shape), True
+
+
+def _reduce_batched(axis_size, operands, in_batched, *, attrs, batching):
+    dout, input, *rest = operands
+    dout_batched, input_batched, *rest_batched = in_batched
+    rows = _rows(rest[0], rest_batched[0])
+    folded = batching
+    if input_batched:
+        folded = batching.fold_images(rows, axis_size, input.shape[1])
+        input = input.reshape((axis_size * input.shape[1],) + input.shape[2:])
+    d_boxes = _REDUCE(_fold_rows(dout, dout_batched, axis_size), input,
+                      *(_fold_rows(x, b, axis_size) for x, b in zip(rest, rest_batched)),
+                      attrs=attrs, batching=folded)
+    return d_boxes.reshape((axis_size, rows, 5)), True
+
+
+_GATHER = Kernel("jk_roi_align_gather", shape=_gather_shape, emit=_gather_emit,
+                 batch=_gather_batched, jvp=_gather_jvp, transpose=_gather_transpose)
+_SCATTER = Kernel("jk_roi_align_scatter", shape=_scatter_shape, emit=_scatter_emit,
+                  batch=_scatter_batched, jvp=_scatter_jvp, transpose=_scatter_transpose)
+_REDUCE = Kernel("jk_roi_align_reduce", shape=_reduce_shape, emit=_reduce_emit,
+                 batch=_reduce_batched, jvp=_reduce_jvp, transpose=_reduce_transpose)
