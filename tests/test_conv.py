@@ -162,7 +162,7 @@ def test_check_grads():
         b = random(6, (shape_w[0],), jnp.float64)
         f = lambda x, w, b: jk.conv2d(x, w, b, stride=(1, 2), padding=(1, 0), dilation=(2, 1),
                                       groups=groups)
-        check_grads(f, (x, w, b), order=1, modes=("rev",))
+        check_grads(f, (x, w, b), order=2)
 
 
 def test_unbatched_input_and_empty_batch():

@@ -94,7 +94,7 @@ def test_gradient_many_copies_is_accurate():
 
 def test_check_grads_float64():
     x = random(0, (2, 3), jnp.float64)
-    check_grads(lambda v: jk.repeat(v, (2, 1, 3)), (x,), order=1, modes=("rev",))
+    check_grads(lambda v: jk.repeat(v, (2, 1, 3)), (x,), order=2)
 
 
 def test_jit_lowering_and_dce():
