@@ -8,8 +8,12 @@ time (host query ``conv2d_scratch``: the tensor-core path's need when it takes t
 else the direct kernels'); only the CUDA lowering asks for it (``_ffi.call_with_cuda_scratch``)
 and the wrapper drops it.
 
-Batching: each FFI call has a ``custom_vmap`` rule, and the ``custom_vjp`` calls them, so
-``vmap``, ``grad`` and ``vmap(grad)`` batch without loops. A batched input folds into N. Batched
+Each kernel is a primitive (``_primitive.Kernel``) with JVP and transpose rules made of the
+other kernels (conv2d is bilinear), so every derivative of every order runs these four kernels.
+
+Batching: each primitive has a rule that folds the vmapped axis into the kernel's batch or
+groups and binds a primitive again, so ``vmap``, ``grad``, ``vmap(grad)`` and higher orders batch
+without loops. A batched input folds into N. Batched
 weights (per-example weights, per-sample gradients) fold into groups: B convolutions with
 ``groups=g`` are one convolution with ``groups=B*g`` over ``B*C`` channels (and when the
 input is shared, one with ``B*K`` filters stacked group by group). The bias gradient kernel takes

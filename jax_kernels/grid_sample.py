@@ -5,9 +5,12 @@ border and reflection padding; align_corners either way).
 The forward and each gradient are separate FFI calls, so XLA drops the gradient nobody uses:
 ``jk_grid_sample_fwd`` (input, grid), ``jk_grid_sample_bwd_input`` (dout, grid) and
 ``jk_grid_sample_bwd_grid`` (dout, input, grid). On the GPU the deterministic d_input pass
-needs scratch memory, which it receives from XLA as an extra result sized at trace time.
+needs scratch memory, which it receives from XLA as an extra result sized at trace time. The
+``*_directional`` targets are the derivatives of these passes along the grid (forward mode and
+second order; see the comment above ``_GATHER``). Each pass is a primitive with batching, JVP
+and transpose rules (``_primitive.Kernel``).
 
-Batching: every call is a ``custom_vmap`` function that carries, per operand, a batch map
+Batching: every pass's rule carries, per operand, a batch map
 (repeat, chunk): output batch row m reads operand row ``(m // (repeat*chunk)) * chunk +
 m % chunk``. A vmapped axis is folded into the leading (batch) axis of the operands that carry
 it; an operand without it is reused through its map rather than copied, so vmap over the input,

@@ -2,9 +2,10 @@
 
 The forward and each gradient are separate FFI calls (XLA drops the gradients nobody uses).
 Operands are passed at the output's rank with size-1 dimensions where they broadcast; the
-kernels broadcast by strides, so nothing is materialized. Batching uses ``ffi_call``'s
-``expand_dims`` method: a vmapped axis becomes one more leading dimension, broadcast (size 1)
-for the unbatched operands, and the kernels fold it into their own iteration.
+kernels broadcast by strides, so nothing is materialized. Each kernel is a primitive with JVP
+and transpose rules made of the others (see the comment above ``_shape_rule``). Batching: a
+vmapped axis becomes one more leading dimension, broadcast (size 1) for the unbatched operands,
+and the kernels fold it into their own iteration.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """``repeat``: torch.Tensor.repeat as a JAX op backed by the ``jk_repeat_*`` kernels.
 
 The forward tiles x (any dtype; a byte copy); the backward sums, for each element of x, all of
-its copies in the output gradient in a fixed order. Batching uses ``ffi_call``'s
-``expand_dims`` method: the kernels read leading dimensions beyond ``len(repeats)`` as batch
-dimensions with repeat 1.
+its copies in the output gradient in a fixed order. Both are primitives, linear and each
+other's transpose, so every derivative is one of them. Batching: the vmapped axis becomes a
+leading dimension, which the kernels read (beyond ``len(repeats)``) as a batch dimension with
+repeat 1.
 """
 
 from __future__ import annotations

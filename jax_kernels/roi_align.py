@@ -2,8 +2,11 @@
 differentiable with respect to the input and the box coordinates.
 
 The forward, the input gradient and the box gradient are separate FFI calls (XLA drops the
-gradients nobody uses). Each call has its own ``custom_vmap`` rule that folds the mapped axis into
-the kernel's own axes: boxes and output gradients into K, the input (or the input gradient) into N.
+gradients nobody uses); the ``*_directional`` targets are their derivatives along the boxes
+(forward mode and second order; see the comment above ``_GATHER``). Each pass is a primitive with
+batching, JVP and transpose rules (``_primitive.Kernel``); its batching rule folds the mapped axis
+into the kernel's own axes: boxes, output gradients and directions into K, the input (or the input
+gradient) into N.
 A fold into N adds a term to the box-to-image map that the kernels apply (``_Batching``), so batch
 indices are never rewritten and no loop appears. On CUDA the forward stages the input in NHWC
 order, and the deterministic input gradient sorts per-box row entries, in scratch memory that XLA
