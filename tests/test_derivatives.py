@@ -291,3 +291,21 @@ def test_first_order_programs_are_unchanged():
                           targets=("jk_grid_sample_fwd", "jk_grid_sample_bwd_input",
                                    "jk_grid_sample_bwd_grid"))
     assert "directional" not in text
+
+
+def test_transposes_sum_over_reused_operands():
+    """grad(vmap(f)) with an unbatched input: the kernels read it through a batch map (no copy),
+    and the transpose sums the per-row cotangents over the reuse."""
+    x, grid = grid_inputs(4, False, seed=13)
+    grids = jnp.stack([grid, grid * 0.8, grid[::-1]])
+    xs = jnp.stack([x, -x])
+    one = lambda x, g: jnp.sum(jnp.sin(jk.grid_sample(x, g)))
+    nested = lambda xs, gs: jnp.sum(jnp.sin(jax.vmap(jax.vmap(jk.grid_sample, (None, 0)),
+                                                     (0, None))(xs, gs)))
+    got = jax.jit(jax.grad(nested, argnums=(0, 1)))(xs, grids)
+    d_xs = jnp.stack([sum(jax.grad(one)(xs[j], grids[i]) for i in range(3)) for j in range(2)])
+    d_grids = jnp.stack([sum(jax.grad(one, 1)(xs[j], grids[i]) for j in range(2))
+                         for i in range(3)])
+    allclose(got, (d_xs, d_grids), rtol=1e-12)
+    assert_lowered(jax.grad(nested, argnums=(0, 1)), xs, grids,
+                   targets=("jk_grid_sample_bwd_input", "jk_grid_sample_bwd_grid"))
