@@ -214,7 +214,7 @@ ffi::Error grid_sample_forward_directional(ffi::AnyBuffer input, ffi::AnyBuffer 
     using T = typename decltype(tag)::type;
     const T* const direction[2] = {static_cast<const T*>(data.data[0]),
                                    static_cast<const T*>(data.data[1])};
-    dispatch_grid_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
+    dispatch_differentiable_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
       dispatch_directions(dirs.count, [&](auto order_c) {
         forward_directional<T, decltype(mode_c)::value, decltype(dims_c)::value,
                             decltype(order_c)::value>(
@@ -252,7 +252,7 @@ ffi::Error grid_sample_backward_input_directional(ffi::AnyBuffer dout, ffi::AnyB
     using T = typename decltype(tag)::type;
     const T* const direction[2] = {static_cast<const T*>(data.data[0]),
                                    static_cast<const T*>(data.data[1])};
-    dispatch_grid_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
+    dispatch_differentiable_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
       dispatch_directions(dirs.count, [&](auto order_c) {
         backward_input_directional<T, decltype(mode_c)::value, decltype(dims_c)::value,
                                    decltype(order_c)::value>(
@@ -287,7 +287,7 @@ ffi::Error grid_sample_backward_grid_directional(ffi::AnyBuffer dout, ffi::AnyBu
   }
   return dispatch_float(dout.element_type(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    dispatch_grid_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
+    dispatch_differentiable_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
       backward_grid_directional<T, decltype(mode_c)::value, decltype(dims_c)::value>(
           call, dirs, static_cast<const T*>(dout.untyped_data()),
           static_cast<const T*>(input.untyped_data()), static_cast<const T*>(grid.untyped_data()),

@@ -773,6 +773,15 @@ void dispatch_grid_sampler(GridSampleMode mode, int dims, F&& f) {
   if (mode == M::kBicubic && dims == 2) f(Bicubic{}, Two{});
 }
 
+// dispatch_grid_sampler without nearest sampling, whose weights have no derivatives (the
+// directional passes write zeros for it without instantiating a kernel).
+template <class F>
+void dispatch_differentiable_sampler(GridSampleMode mode, int dims, F&& f) {
+  dispatch_grid_sampler(mode, dims, [&](auto mode_c, auto dims_c) {
+    if constexpr (decltype(mode_c)::value != GridSampleMode::kNearest) f(mode_c, dims_c);
+  });
+}
+
 }  // namespace jax_kernels
 
 // Registers the decoding of GridSampleAttrs for `.Attrs<GridSampleAttrs>()` (once per source
