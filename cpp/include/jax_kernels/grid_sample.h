@@ -141,7 +141,8 @@ JK_HD A pad_coordinate(A x, int64_t size, GridSamplePadding padding, bool align_
 }
 
 // Keys cubic convolution with A = -0.75 (torch's bicubic): the weights of the four taps at
-// floor(x) - 1 .. floor(x) + 2 for t = x - floor(x), and their derivatives d weight / d t.
+// floor(x) - 1 .. floor(x) + 2 for t = x - floor(x), their derivatives d weight / d t and their
+// second derivatives d^2 weight / d t^2.
 template <class A>
 JK_HD void cubic_weights(A t, A (&w)[4]) {
   const A a = A(-0.75);
