@@ -566,4 +566,6 @@ def test_torch_style_positional_options_and_capabilities():
     np.testing.assert_array_equal(np.asarray(jk.grid_sample(x, grid, align_corners=None)),
                                   np.asarray(jk.grid_sample(x, grid)))
     rows = [r for r in jk.capabilities() if r.op == "grid_sample"]
-    assert {r.pass_ for r in rows} == {"forward", "backward d_input", "backward d_grid"}
+    assert {r.pass_ for r in rows} == {"forward", "backward d_input", "backward d_grid",
+                                       "forward directional", "backward d_input directional",
+                                       "backward d_grid directional"}

@@ -1,20 +1,25 @@
 // grid_sample math (torch.nn.functional.grid_sample semantics), host and device, used by the CPU
 // and the CUDA kernels alike: coordinate unnormalization, border clipping and reflection with
 // their derivatives, the taps (cell, weight, weight slope) of nearest / linear / cubic sampling
-// along one axis and their product over 2 or 3 axes, the problem geometry, and the batch maps
-// through which vmap folds its axes into the kernels' batch.
+// along one axis and their product over 2 or 3 axes, the directional first and second derivatives
+// of the tap weights along grid directions (the forward-mode and second-order passes), the problem
+// geometry, and the batch maps through which vmap folds its axes into the kernels' batch.
 //
 // Conventions: axis 0 is x (input width W), axis 1 is y (H), axis 2 is z (D); the grid holds
 // (x, y[, z]) per output point. All arithmetic is in the accumulation type A (float for the
 // half types). A tap is one input cell that an output point reads; its weight multiplies the
-// cell's value and its slope along axis a is d weight / d grid coordinate a.
+// cell's value and its slope along axis a is d weight / d grid coordinate a; its curvature along
+// axis a is d^2 weight / d grid coordinate a^2 (non-zero for cubic sampling only: the linear and
+// nearest weights and the padding maps are piecewise linear).
 #pragma once
 
 #include <float.h>
 #include <math.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <type_traits>
 
@@ -136,7 +141,8 @@ JK_HD A pad_coordinate(A x, int64_t size, GridSamplePadding padding, bool align_
 }
 
 // Keys cubic convolution with A = -0.75 (torch's bicubic): the weights of the four taps at
-// floor(x) - 1 .. floor(x) + 2 for t = x - floor(x), and their derivatives d weight / d t.
+// floor(x) - 1 .. floor(x) + 2 for t = x - floor(x), their derivatives d weight / d t and their
+// second derivatives d^2 weight / d t^2.
 template <class A>
 JK_HD void cubic_weights(A t, A (&w)[4]) {
   const A a = A(-0.75);
@@ -160,6 +166,17 @@ JK_HD void cubic_weight_derivatives(A t, A (&dw)[4]) {
   dw[3] = -outer(A(2) - t);
 }
 
+template <class A>
+JK_HD void cubic_weight_second_derivatives(A t, A (&ddw)[4]) {
+  const A a = A(-0.75);
+  const auto inner = [a](A d) { return A(6) * (a + A(2)) * d - A(2) * (a + A(3)); };
+  const auto outer = [a](A d) { return A(6) * a * d - A(10) * a; };
+  ddw[0] = outer(t + A(1));
+  ddw[1] = inner(t);
+  ddw[2] = inner(A(1) - t);
+  ddw[3] = outer(A(2) - t);
+}
+
 template <GridSampleMode kMode>
 constexpr int taps_per_axis() {
   return kMode == GridSampleMode::kNearest ? 1 : kMode == GridSampleMode::kBilinear ? 2 : 4;
@@ -174,11 +191,14 @@ struct AxisTaps {
   bool valid[K];
   A weight[K];
   A slope[K];
+  A curvature[K];  // filled only when asked for (the directional second derivatives)
 };
 
 // Nearest and linear sampling pad the unnormalized coordinate first, then pick cells.
 // Cubic sampling picks four cells around the unpadded coordinate and pads each cell index.
-template <GridSampleMode kMode, class A, class Index>
+// kCurvature: also fill the curvatures (scale^2 times the Keys kernel's second derivative for
+// cubic sampling, 0 otherwise).
+template <GridSampleMode kMode, class A, class Index, bool kCurvature = false>
 JK_HD void axis_taps(A coord, int64_t size, GridSamplePadding padding, bool align_corners,
                      AxisTaps<A, Index, taps_per_axis<kMode>()>* taps) {
   using namespace grid_sample_math;
@@ -192,6 +212,7 @@ JK_HD void axis_taps(A coord, int64_t size, GridSamplePadding padding, bool alig
     taps->index[0] = taps->valid[0] ? Index(x) : Index(0);
     taps->weight[0] = A(1);
     taps->slope[0] = A(0);
+    if constexpr (kCurvature) taps->curvature[0] = A(0);
   } else if constexpr (kMode == GridSampleMode::kBilinear) {
     A x = pad_coordinate(unnormalize(coord, size, align_corners), size, padding, align_corners,
                          &scale);
@@ -205,6 +226,7 @@ JK_HD void axis_taps(A coord, int64_t size, GridSamplePadding padding, bool alig
     taps->weight[1] = x - x0;
     taps->slope[0] = -scale;
     taps->slope[1] = scale;
+    if constexpr (kCurvature) taps->curvature[0] = taps->curvature[1] = A(0);
     taps->valid[0] = x0 >= A(0) && x0 < extent;
     taps->valid[1] = x1 >= A(0) && x1 < extent;
     taps->index[0] = taps->valid[0] ? Index(x0) : Index(0);
@@ -223,9 +245,11 @@ JK_HD void axis_taps(A coord, int64_t size, GridSamplePadding padding, bool alig
     const A t = x - x0;
     cubic_weights(t, taps->weight);
     cubic_weight_derivatives(t, taps->slope);
+    if constexpr (kCurvature) cubic_weight_second_derivatives(t, taps->curvature);
 JK_UNROLL
     for (int i = 0; i < K; ++i) {
       taps->slope[i] *= scale;
+      if constexpr (kCurvature) taps->curvature[i] *= scale * scale;
       A unused_slope = A(1);
       const A cell = pad_coordinate(x0 + A(i - 1), size, padding, align_corners, &unused_slope);
       taps->valid[i] = reachable && cell >= A(0) && cell < extent;
@@ -310,6 +334,137 @@ JK_UNROLL
   }
 };
 
+// Directional derivatives of one tap's weight W = prod_d w_d(g_d), from the per-axis weights w,
+// slopes s and curvatures c at the tap's cells: the first derivative along u,
+// sum_a dW/dg_a u_a, and the Hessian applied to u along axis a, sum_b d^2W/(dg_a dg_b) u_b. The
+// Hessian's mixed terms (a != b) are s_a s_b times the other axes' weights, its diagonal terms
+// c_a times the other axes' weights.
+template <class A, int kDims>
+JK_HD A tap_first_derivative(const A (&w)[kDims], const A (&s)[kDims], const A (&u)[kDims]) {
+  A sum = A(0);
+JK_UNROLL
+  for (int a = 0; a < kDims; ++a) {
+    A term = s[a] * u[a];
+JK_UNROLL
+    for (int d = 0; d < kDims; ++d)
+      if (d != a) term *= w[d];
+    sum += term;
+  }
+  return sum;
+}
+
+template <class A, int kDims>
+JK_HD A tap_hessian_along(const A (&w)[kDims], const A (&s)[kDims], const A (&c)[kDims],
+                          const A (&u)[kDims], int a) {
+  A sum = A(0);
+JK_UNROLL
+  for (int b = 0; b < kDims; ++b) {
+    A term = b == a ? c[a] * u[a] : s[a] * s[b] * u[b];
+JK_UNROLL
+    for (int d = 0; d < kDims; ++d)
+      if (d != a && d != b) term *= w[d];
+    sum += term;
+  }
+  return sum;
+}
+
+// The taps of one output point (cells as in PointTaps) with directional derivatives of their
+// weights along grid directions u and v (rows of arrays shaped like the grid, at this point):
+//   compute<1>: weight[t] = sum_a dW_t/dg_a u_a
+//   compute<2>: weight[t] = sum_{a,b} d^2W_t/(dg_a dg_b) u_a v_b
+//   compute_hessian_along: along[a][t] = sum_b d^2W_t/(dg_a dg_b) u_b
+// Nearest sampling's weights are constant: every derivative is 0.
+template <class A, class Index, GridSampleMode kMode, int kDims>
+struct PointTapDerivatives {
+  static constexpr int kPerAxis = taps_per_axis<kMode>();
+  static constexpr int kCount = kDims == 2 ? kPerAxis * kPerAxis : kPerAxis * kPerAxis * kPerAxis;
+  using Axis = AxisTaps<A, Index, kPerAxis>;
+  Index offset[kCount];
+  bool valid[kCount];
+  A weight[kCount];        // compute<k>
+  A along[kDims][kCount];  // compute_hessian_along
+
+  template <int kOrder>
+  JK_HD void compute(const GridSampleGeometry& g, const A (&coord)[kDims], const A (&u)[kDims],
+                     const A (&v)[kDims]) {
+    static_assert(kOrder == 1 || kOrder == 2, "first or second directional derivative");
+    Axis axis[kDims];
+    locate<kOrder == 2>(g, coord, axis);
+JK_UNROLL
+    for (int t = 0; t < kCount; ++t) {
+      A w[kDims], s[kDims], c[kDims];
+      factors<kOrder == 2>(axis, t, w, s, c);
+      if constexpr (kOrder == 1) {
+        weight[t] = tap_first_derivative(w, s, u);
+      } else {
+        A sum = A(0);
+JK_UNROLL
+        for (int a = 0; a < kDims; ++a) sum += v[a] * tap_hessian_along(w, s, c, u, a);
+        weight[t] = sum;
+      }
+    }
+  }
+
+  JK_HD void compute_hessian_along(const GridSampleGeometry& g, const A (&coord)[kDims],
+                                   const A (&u)[kDims]) {
+    Axis axis[kDims];
+    locate<true>(g, coord, axis);
+JK_UNROLL
+    for (int t = 0; t < kCount; ++t) {
+      A w[kDims], s[kDims], c[kDims];
+      factors<true>(axis, t, w, s, c);
+JK_UNROLL
+      for (int a = 0; a < kDims; ++a) along[a][t] = tap_hessian_along(w, s, c, u, a);
+    }
+  }
+
+ private:
+  // The per-axis taps, and every tap's cell offset and validity.
+  template <bool kCurvature>
+  JK_HD void locate(const GridSampleGeometry& g, const A (&coord)[kDims], Axis (&axis)[kDims]) {
+    constexpr int K = kPerAxis;
+JK_UNROLL
+    for (int d = 0; d < kDims; ++d)
+      axis_taps<kMode, A, Index, kCurvature>(coord[d], g.size[d], g.padding, g.align_corners,
+                                             &axis[d]);
+    const Index width = Index(g.size[0]);
+    const Index height = Index(g.size[1]);
+JK_UNROLL
+    for (int t = 0; t < kCount; ++t) {
+      const int i = t % K;
+      const int j = (t / K) % K;
+      Index row = axis[1].index[j];
+      bool ok = axis[0].valid[i] && axis[1].valid[j];
+      if constexpr (kDims == 3) {
+        const int k = t / (K * K);
+        row += axis[2].index[k] * height;
+        ok = ok && axis[2].valid[k];
+      }
+      offset[t] = row * width + axis[0].index[i];
+      valid[t] = ok;
+    }
+  }
+
+  // Tap t's weight, slope and curvature (0 unless kCurvature) along each axis.
+  template <bool kCurvature>
+  JK_HD static void factors(const Axis (&axis)[kDims], int t, A (&w)[kDims], A (&s)[kDims],
+                            A (&c)[kDims]) {
+    int rest = t;
+JK_UNROLL
+    for (int d = 0; d < kDims; ++d) {
+      const int i = rest % kPerAxis;
+      rest /= kPerAxis;
+      w[d] = axis[d].weight[i];
+      s[d] = axis[d].slope[i];
+      if constexpr (kCurvature) {
+        c[d] = axis[d].curvature[i];
+      } else {
+        c[d] = A(0);
+      }
+    }
+  }
+};
+
 // Fills the geometry from the cells' shape `sampled` [S, C, (D,) H, W] (the input or the
 // d_input result), the grid's shape [S_g, (Do,) Ho, Wo, dims] and the output batch M.
 inline std::string make_grid_sample_geometry(const int64_t* sampled, int sampled_rank,
@@ -347,19 +502,67 @@ inline bool batch_map_fits(const BatchMap& map, int64_t rows, int64_t batch) {
   return (rows / map.chunk) * map.repeat * map.chunk == batch;
 }
 
-// The three passes, one FFI target each. Operands, in order, and result:
+// The passes, one FFI target each. Operands, in order, and result:
 //   kForward:       input [S, C, (D,) H, W], grid [S_g, (Do,) Ho, Wo, dims]
 //                   -> out [M, C, (Do,) Ho, Wo]
 //   kBackwardInput: dout [S_d, C, (Do,) Ho, Wo], grid -> d_input [M, C, (D,) H, W]
 //   kBackwardGrid:  dout, input, grid -> d_grid [M, (Do,) Ho, Wo, dims]
+// The directional passes take the operands of their base pass followed by grid directions
+// (each [S_u, (Do,) Ho, Wo, dims], the grid's per-row shape) and replace every tap weight W by
+// a directional derivative of it (PointTapDerivatives):
+//   kForwardDirectional:       input, grid, u[, v] -> out; weights dW.u (or d^2W[u, v])
+//   kBackwardInputDirectional: dout, grid, u[, v] -> d_input; the same weights, transposed
+//   kBackwardGridDirectional:  dout, input, grid, u -> d_grid; d_grid[a] weights d^2W[a, u]
 // Each operand's batch S maps onto the output batch M through its BatchMap (attribute
-// `batch_maps`: repeat, chunk per operand, in operand order).
-enum class GridSamplePass { kForward, kBackwardInput, kBackwardGrid };
+// `batch_maps`: repeat, chunk per operand, in operand order, directions included).
+enum class GridSamplePass {
+  kForward,
+  kBackwardInput,
+  kBackwardGrid,
+  kForwardDirectional,
+  kBackwardInputDirectional,
+  kBackwardGridDirectional,
+};
+
+constexpr bool is_directional(GridSamplePass pass) {
+  return pass == GridSamplePass::kForwardDirectional ||
+         pass == GridSamplePass::kBackwardInputDirectional ||
+         pass == GridSamplePass::kBackwardGridDirectional;
+}
+
+// The pass whose operands (and result) a directional pass extends; a base pass itself.
+constexpr GridSamplePass base_pass(GridSamplePass pass) {
+  switch (pass) {
+    case GridSamplePass::kForwardDirectional:
+      return GridSamplePass::kForward;
+    case GridSamplePass::kBackwardInputDirectional:
+      return GridSamplePass::kBackwardInput;
+    case GridSamplePass::kBackwardGridDirectional:
+      return GridSamplePass::kBackwardGrid;
+    default:
+      return pass;
+  }
+}
+
+// Operands of a pass before its directions, and the directions it takes at most.
+constexpr int base_operand_count(GridSamplePass pass) {
+  return base_pass(pass) == GridSamplePass::kBackwardGrid ? 3 : 2;
+}
+constexpr int max_directions(GridSamplePass pass) {
+  return !is_directional(pass) ? 0 : pass == GridSamplePass::kBackwardGridDirectional ? 1 : 2;
+}
+constexpr int kMaxGridSampleOperands = 4;
 
 struct GridSampleCall {
   GridSampleGeometry geometry;
   GridSampleMode mode = GridSampleMode::kBilinear;
   BatchMap input_map, grid_map, dout_map;  // those of the pass's operands
+};
+
+// The grid directions of a directional pass: how many (1 or 2) and their batch maps.
+struct GridSampleDirections {
+  int count = 0;
+  BatchMap map[2];
 };
 
 struct DimsView {
@@ -369,26 +572,41 @@ struct DimsView {
 };
 
 // Validates the operands, result and attributes of a call and decodes them. Returns "" on
-// success, else what is wrong.
+// success, else what is wrong. `directions` receives the directions of a directional pass (it
+// must be given for those, and is left alone for the others).
 inline std::string make_grid_sample_call(GridSamplePass pass, const DimsView* operands,
                                          int operand_count, DimsView result, int64_t mode,
                                          int64_t padding, bool align_corners,
                                          const int64_t* batch_maps, int64_t batch_map_count,
-                                         GridSampleCall* call) {
-  const int expected_operands = pass == GridSamplePass::kBackwardGrid ? 3 : 2;
-  if (operand_count != expected_operands) return "wrong operand count";
+                                         GridSampleCall* call,
+                                         GridSampleDirections* directions = nullptr) {
+  const int base_count = base_operand_count(pass);
+  const int direction_count = operand_count - base_count;
+  if (!is_directional(pass)) {
+    if (operand_count != base_count) return "wrong operand count";
+  } else {
+    if (directions == nullptr) return "directional pass decoded without its directions";
+    if (direction_count < 1 || direction_count > max_directions(pass))
+      return max_directions(pass) == 1
+                 ? "expected one direction operand (u) after dout, input and grid, got " +
+                       std::to_string(direction_count)
+                 : "expected one or two direction operands (u[, v]) after the pass's operands, "
+                   "got " +
+                       std::to_string(direction_count);
+  }
   if (batch_map_count != 2 * operand_count)
     return "batch_maps must hold (repeat, chunk) per operand";
+  const GridSamplePass base = base_pass(pass);
   GridSampleCall c;
   if (mode != int64_t(GridSampleMode::kBilinear) && mode != int64_t(GridSampleMode::kNearest) &&
       mode != int64_t(GridSampleMode::kBicubic))
     return "unknown interpolation mode";
   c.mode = GridSampleMode(mode);
-  const DimsView grid = operands[operand_count - 1];
-  const DimsView* dout = pass == GridSamplePass::kForward ? nullptr : &operands[0];
+  const DimsView grid = operands[base_count - 1];
+  const DimsView* dout = base == GridSamplePass::kForward ? nullptr : &operands[0];
   // The cells' shape: the input, or the d_input result.
-  const DimsView sampled = pass == GridSamplePass::kForward         ? operands[0]
-                           : pass == GridSamplePass::kBackwardInput ? result
+  const DimsView sampled = base == GridSamplePass::kForward         ? operands[0]
+                           : base == GridSamplePass::kBackwardInput ? result
                                                                      : operands[1];
   const int64_t batch = result.rank > 0 ? result[0] : -1;
   const std::string problem =
@@ -405,20 +623,24 @@ inline std::string make_grid_sample_call(GridSamplePass pass, const DimsView* op
   };
   const int rank = g.dims + 2;
   if (result.rank != rank) return "result rank is wrong";
-  if (pass == GridSamplePass::kForward && (result[1] != g.channels || !same_points(result, 2)))
+  if (base == GridSamplePass::kForward && (result[1] != g.channels || !same_points(result, 2)))
     return "output shape does not match input and grid";
-  if (pass == GridSamplePass::kBackwardGrid &&
+  if (base == GridSamplePass::kBackwardGrid &&
       (!same_points(result, 1) || result[rank - 1] != g.dims))
     return "d_grid shape does not match the grid";
   if (dout != nullptr && (dout->rank != rank || (*dout)[1] != g.channels || !same_points(*dout, 2)))
     return "dout shape does not match input and grid";
-  BatchMap maps[3];
+  for (int k = base_count; k < operand_count; ++k)
+    if (operands[k].rank != rank || !same_points(operands[k], 1) ||
+        operands[k][rank - 1] != g.dims)
+      return "direction shape does not match the grid's (per batch row)";
+  BatchMap maps[kMaxGridSampleOperands];
   for (int k = 0; k < operand_count; ++k) {
     maps[k] = BatchMap{batch_maps[2 * k], batch_maps[2 * k + 1]};
     if (!batch_map_fits(maps[k], operands[k][0], batch))
       return "batch_maps do not fit the operands' batch dimensions";
   }
-  switch (pass) {
+  switch (base) {
     case GridSamplePass::kForward:
       c.input_map = maps[0];
       c.grid_map = maps[1];
@@ -427,11 +649,17 @@ inline std::string make_grid_sample_call(GridSamplePass pass, const DimsView* op
       c.dout_map = maps[0];
       c.grid_map = maps[1];
       break;
-    case GridSamplePass::kBackwardGrid:
+    default:
       c.dout_map = maps[0];
       c.input_map = maps[1];
       c.grid_map = maps[2];
       break;
+  }
+  if (is_directional(pass)) {
+    GridSampleDirections d;
+    d.count = direction_count;
+    for (int k = 0; k < direction_count; ++k) d.map[k] = maps[base_count + k];
+    *directions = d;
   }
   *call = c;
   return "";
@@ -440,7 +668,8 @@ inline std::string make_grid_sample_call(GridSamplePass pass, const DimsView* op
 // ---- host side: decoding an FFI call and choosing a kernel instantiation ----------------------
 
 // Every grid_sample target takes these attributes (decoded with .Attrs<GridSampleAttrs>()).
-// `deterministic` chooses between the CUDA d_input paths; the other passes have one path.
+// `deterministic` chooses between the CUDA d_input paths; the other passes have one path (the
+// directional d_input pass is always deterministic and ignores it).
 struct GridSampleAttrs {
   int64_t mode;     // GridSampleMode
   int64_t padding;  // GridSamplePadding
@@ -449,28 +678,82 @@ struct GridSampleAttrs {
   bool deterministic;
 };
 
-// Decodes and validates a call of `pass`; every operand and the result share one element type.
+// Decodes and validates a call of `pass` on `count` operands; every operand and the result share
+// one element type. `directions` as in make_grid_sample_call.
 inline ffi::Error decode_grid_sample_call(const char* op, GridSamplePass pass,
-                                          std::initializer_list<const ffi::AnyBuffer*> operands,
+                                          const ffi::AnyBuffer* const* operands, int count,
                                           const ffi::AnyBuffer& result,
-                                          const GridSampleAttrs& attrs, GridSampleCall* call) {
+                                          const GridSampleAttrs& attrs, GridSampleCall* call,
+                                          GridSampleDirections* directions = nullptr) {
   const auto dims_of = [](const ffi::AnyBuffer& buffer) {
     return DimsView{buffer.dimensions().begin(), int(buffer.dimensions().size())};
   };
-  DimsView dims[3];
-  int count = 0;
-  for (const ffi::AnyBuffer* operand : operands) {
-    if (operand->element_type() != result.element_type())
+  if (count > kMaxGridSampleOperands)
+    return ffi::Error::InvalidArgument(std::string(op) + ": too many operands");
+  DimsView dims[kMaxGridSampleOperands];
+  for (int k = 0; k < count; ++k) {
+    if (operands[k]->element_type() != result.element_type())
       return ffi::Error::InvalidArgument(std::string(op) +
                                          ": operands and result differ in element type");
-    if (count == 3) return ffi::Error::InvalidArgument(std::string(op) + ": too many operands");
-    dims[count++] = dims_of(*operand);
+    dims[k] = dims_of(*operands[k]);
   }
   const std::string problem =
       make_grid_sample_call(pass, dims, count, dims_of(result), attrs.mode, attrs.padding,
                             attrs.align_corners, attrs.batch_maps.begin(),
-                            int64_t(attrs.batch_maps.size()), call);
+                            int64_t(attrs.batch_maps.size()), call, directions);
   if (!problem.empty()) return ffi::Error::InvalidArgument(std::string(op) + ": " + problem);
+  return ffi::Error::Success();
+}
+
+inline ffi::Error decode_grid_sample_call(const char* op, GridSamplePass pass,
+                                          std::initializer_list<const ffi::AnyBuffer*> operands,
+                                          const ffi::AnyBuffer& result,
+                                          const GridSampleAttrs& attrs, GridSampleCall* call) {
+  return decode_grid_sample_call(op, pass, operands.begin(), int(operands.size()), result, attrs,
+                                 call);
+}
+
+// The data of a directional call's direction operands (u, then v; null where absent) and the
+// most elements any of them has (for the choice of index width).
+struct DirectionOperands {
+  const void* data[2] = {nullptr, nullptr};
+  int64_t elements = 0;
+};
+
+// Decodes and validates a call of directional `pass`: its base pass's operands, then the
+// directions, which the handler binds as remaining arguments.
+inline ffi::Error decode_grid_sample_directional_call(
+    const char* op, GridSamplePass pass, std::initializer_list<const ffi::AnyBuffer*> base,
+    const ffi::RemainingArgs& rest, const ffi::AnyBuffer& result, const GridSampleAttrs& attrs,
+    GridSampleCall* call, GridSampleDirections* directions, DirectionOperands* data) {
+  const int count = int(base.size()) + int(rest.size());
+  if (int(rest.size()) > max_directions(pass) || count > kMaxGridSampleOperands)
+    return ffi::Error::InvalidArgument(std::string(op) + ": expected at most " +
+                                       std::to_string(max_directions(pass)) +
+                                       " direction operands, got " +
+                                       std::to_string(rest.size()));
+  std::optional<ffi::AnyBuffer> buffers[kMaxGridSampleOperands];
+  const ffi::AnyBuffer* operands[kMaxGridSampleOperands];
+  int k = 0;
+  for (const ffi::AnyBuffer* operand : base) operands[k++] = operand;
+  for (size_t i = 0; i < rest.size(); ++i) {
+    ffi::ErrorOr<ffi::AnyBuffer> buffer = rest.get<ffi::AnyBuffer>(i);
+    if (!buffer.has_value())
+      return ffi::Error::InvalidArgument(std::string(op) + ": direction operand " +
+                                         std::to_string(i) + " is not a buffer");
+    buffers[i].emplace(*buffer);
+    operands[k++] = &*buffers[i];
+  }
+  if (auto error = decode_grid_sample_call(op, pass, operands, count, result, attrs, call,
+                                           directions);
+      error.failure())
+    return error;
+  DirectionOperands d;
+  for (int i = 0; i < directions->count; ++i) {
+    d.data[i] = buffers[i]->untyped_data();
+    d.elements = std::max<int64_t>(d.elements, int64_t(buffers[i]->element_count()));
+  }
+  *data = d;
   return ffi::Error::Success();
 }
 
@@ -489,6 +772,15 @@ void dispatch_grid_sampler(GridSampleMode mode, int dims, F&& f) {
   if (mode == M::kNearest && dims == 2) f(Nearest{}, Two{});
   if (mode == M::kNearest && dims == 3) f(Nearest{}, Three{});
   if (mode == M::kBicubic && dims == 2) f(Bicubic{}, Two{});
+}
+
+// dispatch_grid_sampler without nearest sampling, whose weights have no derivatives (the
+// directional passes write zeros for it without instantiating a kernel).
+template <class F>
+void dispatch_differentiable_sampler(GridSampleMode mode, int dims, F&& f) {
+  dispatch_grid_sampler(mode, dims, [&](auto mode_c, auto dims_c) {
+    if constexpr (decltype(mode_c)::value != GridSampleMode::kNearest) f(mode_c, dims_c);
+  });
 }
 
 }  // namespace jax_kernels

@@ -1,0 +1,247 @@
+// What the grid_sample passes (grid_sample.cu) and its directional passes (directional.cu) share
+// on CUDA: launch shapes over output points, coordinate and tap loads, the choice of index width,
+// and the deterministic sorted scatter of d_input: every (point, tap) entry keyed by the input
+// cell it touches, a stable radix sort (CUB) that groups the entries by cell once per call, then
+// one thread per (cell, group of channels) that adds weight * dout in sorted order. Its arrays
+// live in XLA-provided scratch laid out by SortedLayout (the host query
+// "grid_sample_bwd_input_scratch" sizes it at trace time, for both passes).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <type_traits>
+
+#include "common/launch.h"
+#include "common/radix_sort.cuh"
+#include "common/scratch.h"
+#include "common/status.h"
+#include "jax_kernels/ffi_util.h"
+#include "jax_kernels/grid_sample.h"
+
+namespace jax_kernels {
+namespace grid_sample_cuda {
+
+constexpr int kThreads = 256;
+constexpr int kMaxSlices = 8;
+
+// ---- launch shapes ----------------------------------------------------------------------------
+
+// Blocks of kThreads = (points per block) x (channel slices). More slices when the points
+// alone would leave most of the GPU's thread slots empty, as long as each slice keeps at least
+// 16 channels to amortize the taps it recomputes; a slice takes channels s, s + slices, ...
+struct PointLaunch {
+  dim3 grid;
+  dim3 block;
+};
+
+inline PointLaunch launch_over_points(int64_t points, int64_t channels) {
+  const int64_t resident = int64_t(multiprocessor_count()) * 2048;
+  int slices = 1;
+  while (slices < kMaxSlices && points * slices < resident && channels >= 32 * slices) slices *= 2;
+  const int per_block = kThreads / slices;
+  return PointLaunch{dim3(grid_blocks(points, per_block)), dim3(per_block, slices)};
+}
+
+template <class A, class Index, int kDims, class T>
+__device__ __forceinline__ void load_coordinates(const T* __restrict__ grid, Index row, Index p,
+                                                 Index points, A (&coord)[kDims]) {
+  const T* at = grid + (row * points + p) * kDims;
+  JK_UNROLL
+  for (int d = 0; d < kDims; ++d) coord[d] = to_acc(at[d]);
+}
+
+// A skipped tap never reads memory and counts as zero.
+template <class A, class T, class Taps>
+__device__ __forceinline__ A tap_value(const T* __restrict__ plane, const Taps& taps, int t) {
+  return taps.valid[t] ? to_acc(plane[taps.offset[t]]) : A(0);
+}
+
+// ---- backward d_input, deterministic: sort entries by cell, then gather -------------------------
+
+// Where the sorted path keeps its arrays in the scratch buffer (offsets from its aligned base).
+// Entries are (tap, point) pairs, tap-major: entry e = t * total_points + q. Keys are cells
+// m * cells + offset, or the sentinel batch * cells for a tap outside the input. Narrow problems
+// use 32-bit keys and indices.
+struct SortedLayout {
+  bool narrow = true;
+  int64_t entries = 0;
+  int64_t sentinel = 0;
+  int end_bit = 0;
+  int64_t keys[2], values[2], weights, sorted_weights, starts, ends, sort_temp, sort_temp_bytes;
+  int64_t total = 0;  // bytes to ask for
+};
+
+inline SortedLayout sorted_layout(int64_t batch, int64_t points, int64_t taps, int64_t cells,
+                           int acc_bytes) {
+  SortedLayout l;
+  l.entries = batch * points * taps;
+  l.sentinel = batch * cells;
+  l.narrow = l.entries < (int64_t{1} << 31) && l.sentinel < (int64_t{1} << 31);
+  const int64_t key_bytes = l.narrow ? 4 : 8;
+  l.end_bit = key_bits(uint64_t(l.sentinel));
+  ScratchLayout layout;
+  l.keys[0] = layout.take(l.entries * key_bytes);
+  l.keys[1] = layout.take(l.entries * key_bytes);
+  l.values[0] = layout.take(l.entries * key_bytes);
+  l.values[1] = layout.take(l.entries * key_bytes);
+  l.weights = layout.take(l.entries * acc_bytes);
+  l.sorted_weights = layout.take(l.entries * acc_bytes);
+  l.starts = layout.take(l.sentinel * key_bytes);
+  l.ends = layout.take(l.sentinel * key_bytes);
+  l.sort_temp_bytes = radix_sort_temp_bound(l.entries, l.end_bit);
+  l.sort_temp = layout.take(l.sort_temp_bytes);
+  l.total = layout.total();
+  return l;
+}
+
+// Taps per point of a sampling mode: nearest 1, bilinear 4 (2-D) or 8 (3-D), bicubic 16.
+inline int taps_per_point(GridSampleMode mode, int64_t dims) {
+  if (mode == GridSampleMode::kNearest) return 1;
+  if (mode == GridSampleMode::kBilinear) return dims == 2 ? 4 : 8;
+  return 16;
+}
+
+// Marks the segment [start, end) of each cell in the sorted keys, and lays out the entries'
+// points (within their batch row) and weights in sorted order for the gather. Cells without
+// entries keep start = end = 0.
+template <class A, class Key>
+__global__ void __launch_bounds__(kThreads)
+    segment_kernel(const Key* __restrict__ keys, const Key* __restrict__ values,
+                   const A* __restrict__ weights, Key* __restrict__ starts, Key* __restrict__ ends,
+                   Key* __restrict__ sorted_points, A* __restrict__ sorted_weights, Key entries,
+                   Key total_points, Key points, Key sentinel) {
+  const Key stride = Key(gridDim.x) * blockDim.x;
+  for (Key i = Key(blockIdx.x) * blockDim.x + threadIdx.x; i < entries; i += stride) {
+    const Key key = keys[i];
+    if (key == sentinel) continue;  // out-of-input taps sort last
+    if (i == 0 || keys[i - 1] != key) starts[key] = i;
+    if (i + 1 == entries || keys[i + 1] != key) ends[key] = i + 1;
+    const Key e = values[i];
+    sorted_points[i] = e % total_points % points;
+    sorted_weights[i] = weights[e];
+  }
+}
+
+// One thread per (cell, group of kGroup channels): walks the cell's entries in sorted order.
+template <class T, class Key, class Index, int kGroup, int kMinBlocks = 1>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    gather_kernel(const T* __restrict__ dout, const Key* __restrict__ starts,
+                  const Key* __restrict__ ends, const Key* __restrict__ sorted_points,
+                  const acc_t<T>* __restrict__ sorted_weights, T* __restrict__ d_input,
+                  GridSampleCall call) {
+  using A = acc_t<T>;
+  const GridSampleGeometry& g = call.geometry;
+  const Index points = Index(g.points), channels = Index(g.channels), cells = Index(g.cells);
+  const Index total = Index(g.batch) * cells;
+  const Index stride = Index(gridDim.x) * blockDim.x;
+  for (Index k = Index(blockIdx.x) * blockDim.x + threadIdx.x; k < total; k += stride) {
+    const Index m = k / cells;
+    const Index cell = k - m * cells;
+    const Index begin = Index(starts[k]);
+    const Index end = Index(ends[k]);
+    const T* d = dout + Index(call.dout_map(m)) * channels * points;
+    T* result = d_input + m * channels * cells + cell;
+    for (Index c0 = Index(blockIdx.y) * kGroup; c0 < channels; c0 += Index(gridDim.y) * kGroup) {
+      A sum[kGroup] = {};
+      for (Index i = begin; i < end; ++i) {
+        const T* row = d + c0 * points + Index(sorted_points[i]);
+        const A w = sorted_weights[i];
+        JK_UNROLL
+        for (int j = 0; j < kGroup; ++j)
+          if (c0 + j < channels) sum[j] += w * to_acc(row[j * points]);
+      }
+      JK_UNROLL
+      for (int j = 0; j < kGroup; ++j)
+        if (c0 + j < channels) result[(c0 + j) * cells] = from_acc<T>(sum[j]);
+    }
+  }
+}
+
+// The sorted (deterministic) d_input path, with keys and indices of type Key / Index: queues
+// build_entries(keys, values, weights), which must launch the kernel that writes every entry
+// e = t * total_points + q (key: the cell m * cells + offset of tap t of point q, or
+// l.sentinel for a tap outside the input; value: e; weight: the tap's weight), then sorts the
+// entries stably by key, marks each cell's segment and adds weight * dout per (cell, channel)
+// in sorted order. `op` names the pass in errors.
+template <class T, class Key, class Index, int kGatherMinBlocks = 1, class BuildEntries>
+ffi::Error sorted_scatter(cudaStream_t stream, const char* op, const GridSampleCall& call,
+                          const SortedLayout& l, const T* dout, T* d_input, char* scratch,
+                          BuildEntries&& build_entries) {
+  using A = acc_t<T>;
+  const GridSampleGeometry& g = call.geometry;
+  Key* keys[2] = {reinterpret_cast<Key*>(scratch + l.keys[0]),
+                  reinterpret_cast<Key*>(scratch + l.keys[1])};
+  Key* values[2] = {reinterpret_cast<Key*>(scratch + l.values[0]),
+                    reinterpret_cast<Key*>(scratch + l.values[1])};
+  A* weights = reinterpret_cast<A*>(scratch + l.weights);
+  A* sorted_weights = reinterpret_cast<A*>(scratch + l.sorted_weights);
+  Key* starts = reinterpret_cast<Key*>(scratch + l.starts);
+  Key* ends = reinterpret_cast<Key*>(scratch + l.ends);
+  const int64_t total_points = g.batch * g.points;
+
+  build_entries(keys[0], values[0], weights);
+  if (auto error = launch_status(op); error.failure()) return error;
+
+  cub::DoubleBuffer<Key> key_buffers(keys[0], keys[1]);
+  cub::DoubleBuffer<Key> value_buffers(values[0], values[1]);
+  if (auto error = radix_sort_pairs(op, key_buffers, value_buffers, l.entries, l.end_bit,
+                                    scratch + l.sort_temp, l.sort_temp_bytes, stream);
+      error.failure())
+    return error;
+  const size_t bounds_bytes = size_t(l.sentinel) * sizeof(Key);
+  for (Key* bounds : {starts, ends})
+    if (auto error = cuda_status(op, cudaMemsetAsync(bounds, 0, bounds_bytes, stream));
+        error.failure())
+      return error;
+  Key* sorted_points = value_buffers.Alternate();
+  segment_kernel<A, Key><<<grid_blocks(l.entries, kThreads), kThreads, 0, stream>>>(
+      key_buffers.Current(), value_buffers.Current(), weights, starts, ends, sorted_points,
+      sorted_weights, Key(l.entries), Key(total_points), Key(g.points), Key(l.sentinel));
+  if (auto error = launch_status(op); error.failure()) return error;
+
+  const int64_t cells = g.batch * g.cells;
+  const auto gather = [&](auto group) {
+    constexpr int G = decltype(group)::value;
+    const int64_t groups = (g.channels + G - 1) / G;
+    const unsigned blocks = grid_blocks(cells, kThreads);
+    const dim3 launch(blocks, unsigned(std::min<int64_t>(groups, 65535)));
+    gather_kernel<T, Key, Index, G, kGatherMinBlocks><<<launch, kThreads, 0, stream>>>(
+        dout, starts, ends, sorted_points, sorted_weights, d_input, call);
+  };
+  if (g.channels >= 8) {
+    gather(std::integral_constant<int, 8>{});
+  } else if (g.channels >= 4) {
+    gather(std::integral_constant<int, 4>{});
+  } else {
+    gather(std::integral_constant<int, 1>{});
+  }
+  return launch_status(op);
+}
+
+// ---- index width ----------------------------------------------------------------------------
+
+// Whether every index the kernels form fits in 32 bits for these operand batch sizes.
+inline bool fits_32_bits(const GridSampleCall& call, std::initializer_list<int64_t> operand_elements) {
+  const GridSampleGeometry& g = call.geometry;
+  const int64_t limit = int64_t{1} << 31;
+  int64_t largest = std::max({g.batch * g.channels * g.cells, g.batch * g.channels * g.points,
+                              g.batch * g.points * 3});
+  for (int64_t e : operand_elements) largest = std::max(largest, e);
+  return largest < limit;
+}
+
+// Calls f(int32_t{}) or f(int64_t{}).
+template <class F>
+void with_index(bool narrow, F&& f) {
+  if (narrow) {
+    f(int32_t{});
+  } else {
+    f(int64_t{});
+  }
+}
+
+}  // namespace grid_sample_cuda
+}  // namespace jax_kernels
