@@ -473,6 +473,219 @@ ROI_ALIGN_UNROLL
   });
 }
 
+// ---- directional derivatives in the box coordinates ---------------------------------------------
+// The directional passes differentiate the output along directions u (and v) of the box
+// coordinates, rows shaped like the boxes' (batch_index, x1, y1, x2, y2) with the batch index
+// ignored, under the box gradient's conventions: the sample grid held fixed, and a size clamped
+// to 1 (aligned=False) not moving with the coordinates (RoiAxis::d_first / d_second). A sample at
+// (y, x) then moves by dy = dy/dy1 u_y1 + dy/dy2 u_y2 and dx = dx/dx1 u_x1 + dx/dx2 u_x2, and its
+// bilinear weight W = wy(y) wx(x), piecewise linear per axis with slopes +-AxisSample::slope,
+// has the directional derivatives
+//   order 1: wy' dy(u) wx + wy wx' dx(u)
+//   order 2: wy' wx' (dy(u) dx(v) + dx(u) dy(v))   (wy'' = wx'' = 0 between the kinks).
+
+// The coordinates of a direction row (x1, y1, x2, y2); its batch-index column is ignored.
+template <class A>
+struct RoiDirection {
+  A x1, y1, x2, y2;
+};
+
+template <class T>
+JK_HD RoiDirection<acc_t<T>> roi_direction(const T* rows, int64_t k) {
+  const T* row = rows + 5 * k;
+  return RoiDirection<acc_t<T>>{to_acc(row[1]), to_acc(row[2]), to_acc(row[3]), to_acc(row[4])};
+}
+
+// How far sample t of `axis` moves when its first coordinate moves by `first` and its second by
+// `second` (grid held fixed).
+template <class A>
+JK_HD A axis_motion(const RoiAxis<A>& axis, int64_t t, A first, A second) {
+  return axis.d_first(t) * first + axis.d_second(t) * second;
+}
+
+// The directions of one box in a directional pass: u alone (order 1) or u and v (order 2).
+template <class A>
+struct RoiDirectional {
+  bool second_order;
+  RoiDirection<A> u, v;  // v is unused (zero) at order 1
+
+  JK_HD A dy_u(const RoiBox<A>& box, int64_t ty) const { return axis_motion(box.y, ty, u.y1, u.y2); }
+  JK_HD A dx_u(const RoiBox<A>& box, int64_t tx) const { return axis_motion(box.x, tx, u.x1, u.x2); }
+  JK_HD A dy_v(const RoiBox<A>& box, int64_t ty) const { return axis_motion(box.y, ty, v.y1, v.y2); }
+  JK_HD A dx_v(const RoiBox<A>& box, int64_t tx) const { return axis_motion(box.x, tx, v.x1, v.x2); }
+};
+
+// The directions of box k: rows of u, and of v when `v` is not null (order 2).
+template <class T>
+JK_HD RoiDirectional<acc_t<T>> roi_directional(const T* u, const T* v, int64_t k) {
+  using A = acc_t<T>;
+  RoiDirectional<A> d;
+  d.second_order = v != nullptr;
+  d.u = roi_direction(u, k);
+  d.v = v != nullptr ? roi_direction(v, k) : RoiDirection<A>{A(0), A(0), A(0), A(0)};
+  return d;
+}
+
+// The directional weights of the four taps of sample (ty, tx), in bilinear_taps' order
+// (w1 = (low y, low x), w2 = (low y, high x), w3 = (high y, low x), w4 = (high y, high x)); the
+// low index's weight has slope -slope, the high index's +slope.
+template <class A>
+JK_HD BilinearTaps<A> directional_taps(const RoiBox<A>& box, const RoiDirectional<A>& d,
+                                       int64_t ty, const AxisSample<A>& sy, int64_t tx,
+                                       const AxisSample<A>& sx, int64_t W) {
+  BilinearTaps<A> t = bilinear_taps(sy, sx, W);
+  if (d.second_order) {
+    const A mixed = sy.slope * sx.slope *
+                    (d.dy_u(box, ty) * d.dx_v(box, tx) + d.dx_u(box, tx) * d.dy_v(box, ty));
+    t.w1 = mixed;
+    t.w2 = -mixed;
+    t.w3 = -mixed;
+    t.w4 = mixed;
+  } else {
+    const A my = sy.slope * d.dy_u(box, ty), mx = sx.slope * d.dx_u(box, tx);
+    t.w1 = -my * sx.w_low - sy.w_low * mx;
+    t.w2 = -my * sx.w_high + sy.w_low * mx;
+    t.w3 = my * sx.w_low - sy.w_high * mx;
+    t.w4 = my * sx.w_high + sy.w_high * mx;
+  }
+  return t;
+}
+
+// Forward directional: acc[c] += sum over the valid samples of bin `bin` of the directional
+// value in channel plane planes + c * H * W (the caller divides by box.count), in
+// accumulate_bin's order.
+template <int kChannels, class T, class A>
+JK_HD void accumulate_bin_directional(const RoiBox<A>& box, const RoiDirectional<A>& d,
+                                      int64_t bin, const T* planes, int64_t channels,
+                                      const RoiAlignProblem& p, A (&acc)[kChannels]) {
+  const int64_t plane = p.H * p.W;
+  for_each_bin_sample(box, bin, p, [&](int64_t ty, const AxisSample<A>& sy, int64_t tx,
+                                       const AxisSample<A>& sx) {
+    const BilinearTaps<A> taps = directional_taps(box, d, ty, sy, tx, sx, p.W);
+ROI_ALIGN_UNROLL
+    for (int c = 0; c < kChannels; ++c)
+      if (c < channels) acc[c] += taps.value(planes + c * plane);
+  });
+}
+
+// Box gradient along u (the Hessian of sum(dout * output) in the box coordinates applied to u):
+// d[0..3] += its (x1, y1, x2, y2) terms of bin `bin`, before the division by box.count. Between
+// the kinks only the mixed second derivative of a bilinear weight survives, so per sample
+// d/d(x1) = h dy(u) dx/dx1, d/d(y1) = h dx(u) dy/dy1, d/d(x2) = h dy(u) dx/dx2,
+// d/d(y2) = h dx(u) dy/dy2 with h = wy' wx' (v1 - v2 - v3 + v4) summed with dout over channels.
+template <int kChannels, class T, class A>
+JK_HD void accumulate_box_hessian(const RoiBox<A>& box, const RoiDirection<A>& u, int64_t bin,
+                                  const T* box_dout, const T* planes, int64_t channels,
+                                  const RoiAlignProblem& p, double (&d)[4]) {
+  const int64_t bins = p.bins(), plane = p.H * p.W;
+  A grad[kChannels];
+ROI_ALIGN_UNROLL
+  for (int c = 0; c < kChannels; ++c)
+    grad[c] = c < channels ? to_acc(box_dout[c * bins + bin]) : A(0);
+  for_each_bin_sample(box, bin, p, [&](int64_t ty, const AxisSample<A>& sy, int64_t tx,
+                                       const AxisSample<A>& sx) {
+    const BilinearTaps<A> taps = bilinear_taps(sy, sx, p.W);
+    A mixed = A(0);
+ROI_ALIGN_UNROLL
+    for (int c = 0; c < kChannels; ++c) {
+      if (c < channels) {
+        const T* v = planes + c * plane;
+        mixed += grad[c] * ((to_acc(v[taps.o1]) - to_acc(v[taps.o2])) -
+                            (to_acc(v[taps.o3]) - to_acc(v[taps.o4])));
+      }
+    }
+    const double h = double(sy.slope * sx.slope * mixed);
+    const double dy = double(axis_motion(box.y, ty, u.y1, u.y2));
+    const double dx = double(axis_motion(box.x, tx, u.x1, u.x2));
+    d[0] += h * dy * double(box.x.d_first(tx));
+    d[1] += h * dx * double(box.y.d_first(ty));
+    d[2] += h * dy * double(box.x.d_second(tx));
+    d[3] += h * dx * double(box.y.d_second(ty));
+  });
+}
+
+// The input-gradient side. The directional weight of input cell (h, w) from a sample is a sum of
+// two separable products, (row term p)(column term p) + (row term q)(column term q):
+//   order 1: rows (wy' dy(u), wy),       columns (wx, wx' dx(u));
+//   order 2: rows (wy' dy(v), wy' dy(u)), columns (wx' dx(u), wx' dx(v)).
+// Each term is the weight w of the index or its slope w' times the axis motion of a direction
+// (first, second): DirectionalTerm says which.
+template <class A>
+struct DirectionalTerm {
+  bool slope;       // w' * motion, else w
+  A first, second;  // the direction's coordinates along this axis (when slope)
+};
+
+// The two terms (p, q) of an axis.
+template <class A>
+struct DirectionalTerms {
+  DirectionalTerm<A> p, q;
+};
+
+// The row (y) and column (x) terms of a box's directions.
+template <class A>
+JK_HD void directional_terms(const RoiDirectional<A>& d, DirectionalTerms<A>* rows,
+                             DirectionalTerms<A>* columns) {
+  if (d.second_order) {
+    *rows = {{true, d.v.y1, d.v.y2}, {true, d.u.y1, d.u.y2}};
+    *columns = {{true, d.u.x1, d.u.x2}, {true, d.v.x1, d.v.x2}};
+  } else {
+    *rows = {{true, d.u.y1, d.u.y2}, {false, A(0), A(0)}};
+    *columns = {{false, A(0), A(0)}, {true, d.u.x1, d.u.x2}};
+  }
+}
+
+// A pair of per-bin weights (p, q) of one input index.
+template <class A>
+struct DirectionalPair {
+  A p, q;
+};
+
+// Calls f(bin, pair) for every bin of `axis` with a valid sample whose bilinear footprint
+// includes input index i, in ascending bin order; pair sums the samples' terms at i in
+// ascending sample order. Unlike for_each_index_bin, a sample whose weight at i is 0 but whose
+// slope is not (a position exactly on i - 1 or i + 1) counts.
+template <class A, class F>
+JK_HD void for_each_directional_index_bin(const RoiAxis<A>& axis, const DirectionalTerms<A>& terms,
+                                          int64_t i, int64_t extent, F&& f) {
+  if (i < axis.span_first || i > axis.span_last) return;
+  int64_t t0, t1;
+  index_candidates(axis, i, &t0, &t1);
+  int64_t bin = -1;
+  DirectionalPair<A> pair{A(0), A(0)};
+  for (int64_t t = t0; t < t1; ++t) {
+    const AxisSample<A> s = axis_sample(axis.position(t), extent);
+    if (!s.valid || (i != s.low && i != s.high)) continue;
+    const A weight = s.weight_of(i);
+    // d weight_of(i) / d position: +slope at high, -slope at low (0 where they coincide).
+    const A slope = (i == s.high ? s.slope : A(0)) - (i == s.low ? s.slope : A(0));
+    const A p = terms.p.slope ? slope * axis_motion(axis, t, terms.p.first, terms.p.second)
+                              : weight;
+    const A q = terms.q.slope ? slope * axis_motion(axis, t, terms.q.first, terms.q.second)
+                              : weight;
+    const int64_t b = t / axis.grid;
+    if (b != bin) {
+      if (bin >= 0) f(bin, pair);
+      bin = b;
+      pair = DirectionalPair<A>{A(0), A(0)};
+    }
+    pair.p += p;
+    pair.q += q;
+  }
+  if (bin >= 0) f(bin, pair);
+}
+
+// The row pair of an input-gradient term, over the box's sample count (as
+// input_gradient_row_weight), and the weight of a (row pair, column pair) term.
+template <class A>
+JK_HD DirectionalPair<A> directional_row_pair(const RoiBox<A>& box, DirectionalPair<A> row) {
+  return DirectionalPair<A>{row.p / box.count, row.q / box.count};
+}
+template <class A>
+JK_HD A directional_weight(DirectionalPair<A> row, DirectionalPair<A> column) {
+  return row.p * column.p + row.q * column.q;
+}
+
 // ---- FFI attributes, shared by the CPU and CUDA handlers (host only) ----------------------------
 
 // Every roi_align target takes these attributes (decoded with .Attrs<RoiAlignAttrs>()).
@@ -522,6 +735,49 @@ inline ffi::Error roi_align_problem(const char* op, const RoiAlignAttrs& attrs,
   *problem = RoiAlignProblem{in[0], in[1], in[2], in[3], rois[0], attrs.pooled_height,
                              attrs.pooled_width, attrs.spatial_scale, attrs.sampling_ratio,
                              attrs.aligned, batching};
+  return ffi::Error::Success();
+}
+
+// The directions of a directional pass: `u` and the optional `rest` (none: order 1; one
+// operand, v: order 2), each shaped and typed like the boxes. *v is null at order 1. An
+// InvalidArgument error naming `op` otherwise.
+inline ffi::Error roi_align_directions(const char* op, const ffi::AnyBuffer& boxes,
+                                       const ffi::AnyBuffer& u, const ffi::RemainingArgs& rest,
+                                       const void** v) {
+  auto invalid = [op](const std::string& what) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
+  };
+  auto like_boxes = [&](const ffi::AnyBuffer& d) {
+    const auto a = d.dimensions(), b = boxes.dimensions();
+    return a.size() == 2 && b.size() == 2 && a[0] == b[0] && a[1] == b[1] &&
+           d.element_type() == boxes.element_type();
+  };
+  if (!like_boxes(u)) return invalid("expected direction u of the boxes' shape [K, 5] and type");
+  *v = nullptr;
+  if (rest.size() > 1) return invalid("expected at most one second direction v");
+  if (rest.size() == 1) {
+    const auto second = rest.get<ffi::AnyBuffer>(0);
+    if (!second.has_value() || !like_boxes(second.value()))
+      return invalid("expected direction v of the boxes' shape [K, 5] and type");
+    *v = second.value().untyped_data();
+  }
+  return ffi::Error::Success();
+}
+
+// The direction u and the result of the directional box pass, both shaped and typed like the
+// boxes [K, 5]; an InvalidArgument error naming `op` otherwise.
+inline ffi::Error roi_align_hessian_operands(const char* op, const ffi::AnyBuffer& boxes,
+                                             const ffi::AnyBuffer& u,
+                                             const ffi::AnyBuffer& d_boxes) {
+  const auto b = boxes.dimensions(), u_dims = u.dimensions(), d = d_boxes.dimensions();
+  if (u_dims.size() != 2 || u_dims[0] != b[0] || u_dims[1] != b[1] ||
+      u.element_type() != boxes.element_type())
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": expected direction u of the boxes' shape [K, 5] and type");
+  if (d.size() != 2 || d[0] != b[0] || d[1] != b[1] ||
+      d_boxes.element_type() != boxes.element_type())
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": expected a result of the boxes' shape [K, 5] and type");
   return ffi::Error::Success();
 }
 
