@@ -123,15 +123,17 @@ def _as(x, dtype):
 def _forward_jvp(primals, tangents, *, shape, dtype):
     i, e, w = primals
     ti, te, tw = tangents
+    # The weight's term first: reverse mode transposes the terms in reverse order, which then
+    # emits the gradients in the order input, end, weight.
     terms = []
+    if not is_zero(tw):
+        terms.append(_BWD_WEIGHT(tw, i, e, shape=shape, dtype=dtype))
     if not is_zero(ti) and not is_zero(te):
         terms.append(_FORWARD(ti, te, w, shape=shape, dtype=dtype))
     elif not is_zero(ti):
         terms.append(_BWD_INPUT(ti, w, shape=shape, dtype=dtype))
     elif not is_zero(te):
         terms.append(_BWD_END(te, w, shape=shape, dtype=dtype))
-    if not is_zero(tw):
-        terms.append(_BWD_WEIGHT(tw, i, e, shape=shape, dtype=dtype))
     return add(*terms)
 
 

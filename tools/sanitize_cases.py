@@ -1,5 +1,5 @@
-"""Small forward + backward cases of every op, for compute-sanitizer memcheck on the GPU
-(tools/gpu_check.sh). Shapes are odd on purpose: tails, broadcasts, zero repeats.
+"""Small forward + backward cases of every op (and second-order ones of grid_sample and
+roi_align), for compute-sanitizer memcheck on the GPU (tools/gpu_check.sh). Shapes are odd on purpose: tails, broadcasts, zero repeats.
 
     python tools/sanitize_cases.py [--dtypes float32,bfloat16] [op ...]
     (default: every op and every dtype; ops e.g. conv2d grid_sample)"""
@@ -19,6 +19,15 @@ rng = np.random.default_rng(0)
 def rand(*shape, dtype=jnp.float32):
     return jnp.asarray(rng.uniform(-1, 1, size=shape)).astype(dtype)
 
+
+
+def second_order(loss, *args):
+    """Forward over reverse and reverse over reverse of `loss`: every directional pass of
+    grid_sample / roi_align (order-1 and order-2 gathers and scatters, the order-2 reduce)."""
+    grad = jax.grad(loss, argnums=tuple(range(len(args))))
+    jax.block_until_ready(jax.jvp(grad, args, args))
+    penalty = lambda *a: sum(jnp.sum(g.astype(jnp.float32) ** 2) for g in grad(*a))
+    jax.block_until_ready(jax.grad(penalty, argnums=tuple(range(len(args))))(*args))
 
 
 def lerp_cases(dtype):
@@ -47,6 +56,7 @@ def roi_align_cases(dtype):
         grad = jax.grad(lambda x, b: jnp.sum(op(x, b)), argnums=(0, 1))
         jax.block_until_ready(grad(x, boxes))
         jax.block_until_ready(jax.vmap(grad)(jnp.stack([x, -x]), jnp.stack([boxes, boxes])))
+        second_order(lambda x, b: jnp.sum(op(x, b) ** 2), x, boxes)
     no_boxes = lambda x: jnp.sum(jk.roi_align(x, boxes[:0], 3).astype(jnp.float32))
     jax.block_until_ready(jax.grad(no_boxes)(x))
 
@@ -70,6 +80,8 @@ def grid_sample_cases(dtype):
                                                  deterministic=deterministic)
                 grad = jax.grad(lambda x, g: jnp.sum(op(x, g).astype(jnp.float32)), argnums=(0, 1))
                 jax.block_until_ready(grad(x, grid))
+                if deterministic:
+                    second_order(lambda x, g: jnp.sum(op(x, g).astype(jnp.float32) ** 2), x, grid)
         jax.block_until_ready(jax.vmap(grad, (None, 0))(x, jnp.stack([grid, -grid])))
         no_points = lambda x: jnp.sum(jk.grid_sample(x, grid[:, :0]).astype(jnp.float32))
         jax.block_until_ready(jax.grad(no_points)(x))
