@@ -1,9 +1,13 @@
-"""First-order timings: the forward + reverse-mode gradient of every op, and a jitted training
-step that uses all five ops, in-jit (one compiled program per case, 10 calls on distinct inputs
-inside it), median over rounds. Used to show that a change of the differentiation machinery
-leaves first-order speed alone: run it once per build or Python tree, in the same session.
+"""Derivative timings, in-jit (one compiled program per case, 10 calls on distinct inputs inside
+it), median over rounds:
 
-    python tools/first_order_bench.py [--rounds 15] [--json FILE] [--label NAME]
+- first order: the forward + reverse-mode gradient of every op, and a jitted training step
+  that uses all five ops; used to show that a change of the differentiation machinery leaves
+  first-order speed alone (run it once per build or Python tree, in the same session);
+- second order ("2nd ..." cases): Hessian-vector products and a gradient penalty, next to the
+  same computation written with ``jnp`` gathers / ``lax.conv`` (the "peer" cases).
+
+    python tools/derivative_bench.py [--rounds 15] [--json FILE] [--label NAME] [--only TEXT]
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_kernels as jk
+from jax_kernels.bench import jnp_grid_sample_bilinear, roi_align_gather
 
 CALLS = 10  # calls per compiled program, on distinct inputs
 
@@ -60,6 +65,73 @@ def in_jit(loss, *batched):
     return lambda: program(*batched)
 
 
+def scanned(fn, *batched):
+    """A program applying `fn` to CALLS distinct inputs (a scan), summing its outputs."""
+
+    @jax.jit
+    def program(*args):
+        def body(carry, xs):
+            out = fn(*xs)
+            return carry + sum(jnp.sum(o).astype(jnp.float32) for o in jax.tree.leaves(out)), None
+        return jax.lax.scan(body, jnp.zeros((), jnp.float32), args)[0]
+
+    return lambda: program(*batched)
+
+
+def hvp(loss):
+    """Forward over reverse: the Hessian-vector product of `loss` at x along v."""
+    return lambda x, v, *rest: jax.jvp(lambda x: jax.grad(loss)(x, *rest), (x,), (v,))[1]
+
+
+def second_order_cases():
+    def grid_hvp(sample):
+        def make():
+            x = stacked(20, (32, 64, 64, 64))
+            g = jnp.asarray(np.stack([smooth_grid(i, 32, 64, 64) for i in range(CALLS)]))
+            target = stacked(21, (32, 64, 64, 64))
+            loss = lambda g, x, t: jnp.sum((sample(x, g) - t) ** 2)
+            return scanned(hvp(loss), g, stacked(22, g.shape[1:]) * 0.01, x, target)
+        return make
+
+    def roi_hvp(pool):
+        def make():
+            x = stacked(23, (2, 256, 200, 272))
+            b = jnp.asarray(np.stack([boxes(i, 512, 2, 800, 1088) for i in range(CALLS)]))
+            target = stacked(24, (512, 256, 7, 7))
+            loss = lambda b, x, t: jnp.sum((pool(x, b) - t) ** 2)
+            return scanned(hvp(loss), b, stacked(25, b.shape[1:]), x, target)
+        return make
+
+    def penalty(conv):
+        def make():
+            x = stacked(26, (32, 64, 56, 56))
+            w1, w2 = rand(27, (64, 64, 3, 3)) * 0.05, rand(28, (64, 64, 3, 3)) * 0.05
+
+            def critic(w, x):
+                return jnp.sum(conv(jax.nn.softplus(conv(x, w[0])), w[1]))
+
+            def gp(w, x):
+                g = jax.grad(critic, argnums=1)(w, x)
+                return jnp.mean((jnp.sqrt(jnp.sum(g ** 2, axis=(1, 2, 3))) - 1.0) ** 2)
+
+            return scanned(lambda x: jax.grad(gp)((w1, w2), x), x)
+        return make
+
+    ours_conv = lambda x, w: jk.conv2d(x, w, padding=1)
+    lax_conv = lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), ((1, 1), (1, 1)))
+    return {
+        "2nd grid_sample HVP along the grid N32 C64 64^2": grid_hvp(jk.grid_sample),
+        "2nd grid_sample HVP along the grid, jnp gathers (peer)": grid_hvp(
+            jnp_grid_sample_bilinear),
+        "2nd roi_align HVP along the boxes, 512 boxes 7x7": roi_hvp(
+            lambda x, b: jk.roi_align(x, b, 7, 0.25, 2, True)),
+        "2nd roi_align HVP along the boxes, jnp gathers (peer)": roi_hvp(
+            lambda x, b: roi_align_gather(x, b, (7, 7), 0.25, 2, True)),
+        "2nd conv2d gradient penalty, 2 layers 3x3 64->64 N32 56^2": penalty(ours_conv),
+        "2nd conv2d gradient penalty, lax.conv (peer)": penalty(lax_conv),
+    }
+
+
 def cases():
     """{name: factory of a zero-argument timed function} (inputs are built when timed)."""
 
@@ -99,6 +171,7 @@ def cases():
         "lerp 4096x1024 broadcast weight fwd+bwd": lerp_case,
         "repeat 256x1024 by (4, 2) fwd+bwd": repeat_case,
         "training step (every op)": training_step,
+        **second_order_cases(),
     }
 
 
@@ -171,12 +244,17 @@ def main():
     parser.add_argument("--json", default=None)
     parser.add_argument("--label", default="")
     parser.add_argument("--only", default="", help="run the cases whose name contains this")
+    parser.add_argument("--first-order", action="store_true", help="skip the second-order cases")
     args = parser.parse_args()
     results = {}
     for name, factory in cases().items():
-        if args.only not in name:
+        if args.only not in name or (args.first_order and name.startswith("2nd")):
             continue
-        results[name] = time_case(factory(), args.rounds)
+        try:
+            results[name] = time_case(factory(), args.rounds)
+        except Exception as error:  # a case that cannot run here is reported, not fatal
+            print(f"{args.label:8s} {name:55s} failed: {type(error).__name__}: {error}"[:300])
+            continue
         print(f"{args.label:8s} {name:55s} {results[name]:9.3f} ms", flush=True)
     if args.json:
         with open(args.json, "w") as f:
