@@ -9,7 +9,9 @@ bytes of every output (the forward and each gradient apart), per dtype. ``--larg
 that reach the GPU's big-problem paths (tensor-core implicit GEMM, pipelined depthwise stencils
 and weight gradients, sorted scatters over many points); run it on the GPU machine. Only the
 deterministic paths are digested (``deterministic=False`` may sum in any order); ``--repeats N``
-runs each case N times and reports the outputs whose bits change from run to run.
+runs each case N times and reports the outputs whose bits change from run to run. grid_sample
+and roi_align cases also digest Hessian-vector products (forward over reverse and reverse over
+reverse: every directional pass); ``--first-order`` leaves them out (for trees without them).
 """
 
 from __future__ import annotations
@@ -32,23 +34,39 @@ def _inputs(seed: int, dtype, *shapes):
 
 
 REPEATS = 1  # --repeats: runs of each case whose bits must agree
+SECOND_ORDER = True  # --first-order turns it off
 
 
-def _vjp_digests(fn, args, seed: int) -> dict[str, str]:
-    """Digests of fn(*args) and of each argument's gradient for a fixed random cotangent; an
+def _vjp_digests(fn, args, seed: int, second_order: bool = False) -> dict[str, str]:
+    """Digests of fn(*args) and of each argument's gradient for a fixed random cotangent (with
+    `second_order`, also of the Hessian-vector products of <dy, fn> along random tangents, forward
+    over reverse "hvp<i>" and reverse over reverse "rr<i>", which run every directional pass); an
     output whose bits differ between the REPEATS runs is marked "nondeterministic"."""
     y = jax.eval_shape(fn, *args)
     (dy,) = _inputs(seed + 1000, y.dtype, y.shape)
+    tangents = _inputs(seed + 2000, args[0].dtype, *(a.shape for a in args))
 
     @jax.jit
-    def forward_and_vjp(args, dy):
+    def forward_and_vjp(args, dy, tangents):
         y, pullback = jax.vjp(fn, *args)
-        return y, pullback(dy)
+        out = {"forward": y, **{f"d{i}": g for i, g in enumerate(pullback(dy))}}
+        if second_order and SECOND_ORDER:
+            def gradient(*a):
+                return jax.vjp(fn, *a)[1](dy)
+
+            def along(*a):
+                return sum(jnp.vdot(g.astype(jnp.float32), t.astype(jnp.float32))
+                           for g, t in zip(gradient(*a), tangents))
+
+            hvp = jax.jvp(gradient, tuple(args), tuple(tangents))[1]
+            rr = jax.grad(along, argnums=tuple(range(len(args))))(*args)
+            out.update({f"hvp{i}": h for i, h in enumerate(hvp)})
+            out.update({f"rr{i}": r for i, r in enumerate(rr)})
+        return out
 
     runs = []
     for _ in range(REPEATS):
-        y, grads = forward_and_vjp(args, dy)
-        out = {"forward": y, **{f"d{i}": g for i, g in enumerate(grads)}}
+        out = forward_and_vjp(args, dy, tangents)
         runs.append({name: hashlib.sha256(np.asarray(jax.device_get(v)).tobytes()).hexdigest()[:24]
                      for name, v in out.items()})
     return {name: digest if all(r[name] == digest for r in runs) else "nondeterministic"
@@ -98,7 +116,8 @@ def cases(large: bool):
                     (x,) = _inputs(3, dtype, input_shape)
                     grid = _grid(4, dtype, input_shape[0], points, rank - 2, 1.2)
                     return _vjp_digests(
-                        lambda x, g: jk.grid_sample(x, g, mode, padding, align), (x, grid), 3)
+                        lambda x, g: jk.grid_sample(x, g, mode, padding, align), (x, grid), 3,
+                        second_order=True)
                 out.append((f"grid_sample {input_shape} -> {points} {mode} {padding} "
                             f"align={align}", gs_case))
 
@@ -118,7 +137,7 @@ def cases(large: bool):
                 index = jnp.asarray(rng.integers(0, n, size=(count, 1))).astype(dtype)
                 fn = lambda x, c: jk.roi_align(x, jnp.concatenate([index, c], axis=1), size,
                                                0.9, sampling_ratio, aligned)
-                return _vjp_digests(fn, (x, coords), 6)
+                return _vjp_digests(fn, (x, coords), 6, second_order=True)
             out.append((f"roi_align {input_shape} {count} boxes {size} "
                         f"ratio={sampling_ratio} aligned={aligned}", roi_case))
 
@@ -193,12 +212,15 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="run each case this many times and mark outputs whose bits differ")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+    parser.add_argument("--first-order", action="store_true",
+                        help="no Hessian-vector products (for trees without second order)")
     args = parser.parse_args()
     if args.compare:
         return compare(*args.compare)
     jax.config.update("jax_enable_x64", True)
-    global REPEATS
+    global REPEATS, SECOND_ORDER
     REPEATS = args.repeats
+    SECOND_ORDER = not args.first_order
     results = compute(args.large, args.dtypes.split(","))
     unstable = [f"{case}: {name}" for case, outputs in results.items()
                 for name, digest in outputs.items() if digest == "nondeterministic"]
