@@ -13,7 +13,10 @@ it), median over rounds:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
+import re
 import statistics
 import time
 
@@ -62,7 +65,7 @@ def in_jit(loss, *batched):
             return carry + value + sum(jnp.sum(g) for g in grads) * 0, None
         return jax.lax.scan(body, jnp.zeros((), jnp.float32), args)[0]
 
-    return lambda: program(*batched)
+    return functools.partial(program, *batched)
 
 
 def scanned(fn, *batched):
@@ -75,7 +78,7 @@ def scanned(fn, *batched):
             return carry + sum(jnp.sum(o).astype(jnp.float32) for o in jax.tree.leaves(out)), None
         return jax.lax.scan(body, jnp.zeros((), jnp.float32), args)[0]
 
-    return lambda: program(*batched)
+    return functools.partial(program, *batched)
 
 
 def hvp(loss):
@@ -104,8 +107,10 @@ def second_order_cases():
 
     def penalty(conv):
         def make():
+            # Weights are operands, not constants, so that XLA cannot fold a convolution of the
+            # peer at compile time.
             x = stacked(26, (32, 64, 56, 56))
-            w1, w2 = rand(27, (64, 64, 3, 3)) * 0.05, rand(28, (64, 64, 3, 3)) * 0.05
+            w1, w2 = stacked(27, (64, 64, 3, 3)) * 0.05, stacked(28, (64, 64, 3, 3)) * 0.05
 
             def critic(w, x):
                 return jnp.sum(conv(jax.nn.softplus(conv(x, w[0])), w[1]))
@@ -114,7 +119,7 @@ def second_order_cases():
                 g = jax.grad(critic, argnums=1)(w, x)
                 return jnp.mean((jnp.sqrt(jnp.sum(g ** 2, axis=(1, 2, 3))) - 1.0) ** 2)
 
-            return scanned(lambda x: jax.grad(gp)((w1, w2), x), x)
+            return scanned(lambda x, w1, w2: jax.grad(gp)((w1, w2), x), x, w1, w2)
         return make
 
     ours_conv = lambda x, w: jk.conv2d(x, w, padding=1)
@@ -223,8 +228,18 @@ def training_step():
             return (p, e), value
         return jax.lax.scan(step, (params, ema), (images, rois, labels))[1]
 
-    return lambda: program(params, params, images, rois, labels)
+    return functools.partial(program, params, params, images, rois, labels)
 
+
+
+def compiled_text(fn) -> str:
+    """The optimized HLO of a case's program with names, metadata and ids taken out, so that two
+    trees' programs can be compared (`--hlo DIR`)."""
+    text = fn.func.lower(*fn.args).compile().as_text()
+    text = re.sub(r", metadata=\{[^}]*\}", "", text)
+    text = re.sub(r"%[\w.\-]+", "%_", text)
+    return "\n".join(line for line in text.split("\n")
+                     if " = " in line and "_id=" not in line and not line.startswith("HloModule"))
 
 
 def time_case(fn, rounds):
@@ -245,10 +260,17 @@ def main():
     parser.add_argument("--label", default="")
     parser.add_argument("--only", default="", help="run the cases whose name contains this")
     parser.add_argument("--first-order", action="store_true", help="skip the second-order cases")
+    parser.add_argument("--hlo", default=None, help="write each case's optimized HLO to this "
+                        "directory instead of timing it")
     args = parser.parse_args()
     results = {}
     for name, factory in cases().items():
         if args.only not in name or (args.first_order and name.startswith("2nd")):
+            continue
+        if args.hlo:
+            os.makedirs(args.hlo, exist_ok=True)
+            with open(os.path.join(args.hlo, re.sub(r"\W+", "_", name) + ".txt"), "w") as f:
+                f.write(compiled_text(factory()))
             continue
         try:
             results[name] = time_case(factory(), args.rounds)
