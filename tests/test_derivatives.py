@@ -309,3 +309,46 @@ def test_transposes_sum_over_reused_operands():
     allclose(got, (d_xs, d_grids), rtol=1e-12)
     assert_lowered(jax.grad(nested, argnums=(0, 1)), xs, grids,
                    targets=("jk_grid_sample_bwd_input", "jk_grid_sample_bwd_grid"))
+
+
+def _op_and_args(op):
+    """(f(a, b), (a, b)) of a nonlinear scalar function through `op`, for batched checks."""
+    if op == "grid_sample":
+        x, grid = grid_inputs(4, False, seed=21)
+        return (lambda x, g: jnp.sum(jnp.sin(jk.grid_sample(x, g, mode="bicubic")))), (x, grid)
+    if op == "roi_align":
+        x = rand(22, (2, 2, 9, 10))
+        coords = jnp.asarray([[0.9, 1.3, 6.1, 5.7], [2.2, 0.6, 7.7, 7.3]])
+        batch = jnp.asarray([[0.0], [1.0]])
+        return (lambda x, c: jnp.sum(jnp.sin(jk.roi_align(
+            x, jnp.concatenate([batch, c], axis=1), 2, 1.0, 2)))), (x, coords)
+    if op == "conv2d":
+        return (lambda x, w: jnp.sum(jnp.sin(jk.conv2d(x, w, padding=1, groups=2)))), (
+            rand(23, (2, 4, 5, 5)), rand(24, (4, 2, 3, 3)))
+    if op == "lerp":
+        return (lambda a, w: jnp.sum(jnp.sin(jk.lerp(a, jnp.ones(3), w)))), (
+            rand(25, (2, 3)), rand(26, (2, 1)))
+    return (lambda x, y: jnp.sum(jnp.sin(jk.repeat(x, (2, 2)) * jk.repeat(y, (1, 2))))), (
+        rand(27, (2, 3)), rand(28, (4, 3)))
+
+
+@pytest.mark.parametrize("op", ["grid_sample", "roi_align", "conv2d", "lerp", "repeat"])
+def test_second_order_under_vmap_folds_into_the_kernels(op):
+    """vmap of a Hessian-vector product (forward over reverse) and of grad of grad equal the
+    per-example results, and lower to the kernels with no loop."""
+    f, (a, b) = _op_and_args(op)
+    scales = jnp.asarray([1.0, 0.9, 1.1])
+    va, vb = rand(29, a.shape), rand(30, b.shape)
+
+    def hvp(s):
+        return jax.jvp(jax.grad(f, (0, 1)), (a * s, b * s), (va, vb))[1]
+
+    def grad_of_grad(s):
+        return jax.grad(lambda a, b: sum(jnp.sum(g ** 2) for g in jax.grad(f, (0, 1))(a, b)),
+                        (0, 1))(a * s, b * s)
+
+    for fn in (hvp, grad_of_grad):
+        batched = jax.jit(jax.vmap(fn))(scales)
+        for i, s in enumerate(scales):
+            allclose(jax.tree.map(lambda t: t[i], batched), fn(s), rtol=1e-12)
+        assert_lowered(jax.vmap(fn), scales)
