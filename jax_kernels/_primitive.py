@@ -62,6 +62,18 @@ def add(*terms: Any) -> Any:
     return functools.reduce(jnp.add, terms)
 
 
+def replaced(seq: Sequence[Any], index: int, value: Any) -> tuple:
+    """`seq` as a tuple with item `index` replaced by `value` (a tangent in place of a primal)."""
+    out = list(seq)
+    out[index] = value
+    return tuple(out)
+
+
+def without(seq: Sequence[Any], index: int) -> tuple:
+    """`seq` as a tuple without item `index` (the operand being transposed)."""
+    return tuple(s for i, s in enumerate(seq) if i != index)
+
+
 def moved_to_front(x: jax.Array, dim: int | None) -> jax.Array:
     return x if dim is None or dim == 0 else jnp.moveaxis(x, dim, 0)
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from . import _ffi
 from ._checks import as_array, check_float_dtypes
-from ._primitive import Kernel, add, aval, is_linear, is_zero
+from ._primitive import Kernel, add, aval, is_linear, is_zero, replaced, without
 
 _MODES = _ffi.ENUMS["GridSampleMode"]
 _PADDINGS = _ffi.ENUMS["GridSamplePadding"]
@@ -166,16 +166,6 @@ def _nearest(attrs: _Attrs) -> bool:
     return attrs.mode == _MODES["nearest"]
 
 
-def _replaced(seq, index, value):
-    seq = list(seq)
-    seq[index] = value
-    return tuple(seq)
-
-
-def _without(seq, index):
-    return tuple(s for i, s in enumerate(seq) if i != index)
-
-
 # gather_k(input, grid, *directions)
 
 
@@ -198,7 +188,7 @@ def _gather_jvp(primals, tangents, *, attrs, maps):
         terms.append(_GATHER(t_input, grid, *dirs, attrs=attrs, maps=maps))
     for j, t in enumerate(t_dirs):
         if not is_zero(t):
-            terms.append(_GATHER(input, grid, *_replaced(dirs, j, t), attrs=attrs, maps=maps))
+            terms.append(_GATHER(input, grid, *replaced(dirs, j, t), attrs=attrs, maps=maps))
     if not is_zero(t_grid) and not _nearest(attrs):
         if len(dirs) == _MAX_ORDER:
             raise _too_high()
@@ -216,9 +206,9 @@ def _gather_transpose(ct, input, grid, *dirs, attrs, maps):
         cts[0] = _unmap(d_input, maps[0], shape[0])
     for j, d in enumerate(dirs):
         if is_linear(d):
-            rest = _without(dirs, j)
+            rest = without(dirs, j)
             d_dir = _REDUCE(ct, input, grid, *rest, attrs=attrs,
-                            maps=(ct_map,) + maps[:2] + _without(maps[2:], j))
+                            maps=(ct_map,) + maps[:2] + without(maps[2:], j))
             cts[2 + j] = _unmap(d_dir, maps[2 + j], aval(d).shape[0])
     return cts
 
@@ -258,7 +248,7 @@ def _scatter_jvp(primals, tangents, *, attrs, maps, cells_shape):
         terms.append(_SCATTER(t_dout, grid, *dirs, **kw))
     for j, t in enumerate(t_dirs):
         if not is_zero(t):
-            terms.append(_SCATTER(dout, grid, *_replaced(dirs, j, t), **kw))
+            terms.append(_SCATTER(dout, grid, *replaced(dirs, j, t), **kw))
     if not is_zero(t_grid) and not _nearest(attrs):
         if len(dirs) == _MAX_ORDER:
             raise _too_high()
@@ -275,8 +265,8 @@ def _scatter_transpose(ct, dout, grid, *dirs, attrs, maps, cells_shape):
         cts[0] = _unmap(d_dout, maps[0], aval(dout).shape[0])
     for j, d in enumerate(dirs):
         if is_linear(d):
-            d_dir = _REDUCE(dout, ct, grid, *_without(dirs, j), attrs=attrs,
-                            maps=(maps[0], ct_map, maps[1]) + _without(maps[2:], j))
+            d_dir = _REDUCE(dout, ct, grid, *without(dirs, j), attrs=attrs,
+                            maps=(maps[0], ct_map, maps[1]) + without(maps[2:], j))
             cts[2 + j] = _unmap(d_dir, maps[2 + j], aval(d).shape[0])
     return cts
 
@@ -309,7 +299,7 @@ def _reduce_jvp(primals, tangents, *, attrs, maps):
         terms.append(_REDUCE(dout, t_input, grid, *dirs, attrs=attrs, maps=maps))
     for j, t in enumerate(t_dirs):
         if not is_zero(t):
-            terms.append(_REDUCE(dout, input, grid, *_replaced(dirs, j, t), attrs=attrs,
+            terms.append(_REDUCE(dout, input, grid, *replaced(dirs, j, t), attrs=attrs,
                                  maps=maps))
     if not is_zero(t_grid):
         if len(dirs) + 1 == _MAX_ORDER:
@@ -334,8 +324,8 @@ def _reduce_transpose(ct, dout, input, grid, *dirs, attrs, maps):
         cts[1] = _unmap(d_input, maps[1], shape[0])
     for j, d in enumerate(dirs):
         if is_linear(d):
-            d_dir = _REDUCE(dout, input, grid, *_without(dirs, j), ct, attrs=attrs,
-                            maps=maps[:3] + _without(maps[3:], j) + (ct_map,))
+            d_dir = _REDUCE(dout, input, grid, *without(dirs, j), ct, attrs=attrs,
+                            maps=maps[:3] + without(maps[3:], j) + (ct_map,))
             cts[3 + j] = _unmap(d_dir, maps[3 + j], aval(d).shape[0])
     return cts
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from . import _ffi
 from ._checks import as_array, check_float_dtypes
-from ._primitive import Kernel, add, aval, is_linear, is_zero
+from ._primitive import Kernel, add, aval, is_linear, is_zero, replaced, without
 
 _MAX_BATCH_TERMS = 8  # kRoiAlignMaxBatchTerms in roi_align.h
 _MAX_SAMPLING_RATIO = 1 << 20  # kRoiAlignMaxAdaptiveGrid
@@ -211,16 +211,6 @@ def _too_high() -> NotImplementedError:
         "supported")
 
 
-def _replaced(seq, index, value):
-    seq = list(seq)
-    seq[index] = value
-    return tuple(seq)
-
-
-def _without(seq, index):
-    return tuple(s for i, s in enumerate(seq) if i != index)
-
-
 # gather_k(input, boxes, *directions)
 
 
@@ -260,7 +250,7 @@ def _gather_jvp(primals, tangents, *, attrs, batching):
         terms.append(_GATHER(t_input, boxes, *dirs, **kw))
     for j, t in enumerate(t_dirs):
         if not is_zero(t):
-            terms.append(_GATHER(input, boxes, *_replaced(dirs, j, t), **kw))
+            terms.append(_GATHER(input, boxes, *replaced(dirs, j, t), **kw))
     if not is_zero(t_boxes):
         if len(dirs) == _MAX_ORDER:
             raise _too_high()
@@ -275,7 +265,7 @@ def _gather_transpose(ct, input, boxes, *dirs, attrs, batching):
         cts[0] = _SCATTER(ct, boxes, *dirs, shape=tuple(aval(input).shape), **kw)
     for j, d in enumerate(dirs):
         if is_linear(d):
-            cts[2 + j] = _REDUCE(ct, input, boxes, *_without(dirs, j), **kw)
+            cts[2 + j] = _REDUCE(ct, input, boxes, *without(dirs, j), **kw)
     return cts
 
 
@@ -324,7 +314,7 @@ def _scatter_jvp(primals, tangents, *, attrs, batching, shape):
         terms.append(_SCATTER(t_dout, boxes, *dirs, **kw))
     for j, t in enumerate(t_dirs):
         if not is_zero(t):
-            terms.append(_SCATTER(dout, boxes, *_replaced(dirs, j, t), **kw))
+            terms.append(_SCATTER(dout, boxes, *replaced(dirs, j, t), **kw))
     if not is_zero(t_boxes):
         if len(dirs) == _MAX_ORDER:
             raise _too_high()
@@ -339,7 +329,7 @@ def _scatter_transpose(ct, dout, boxes, *dirs, attrs, batching, shape):
         cts[0] = _GATHER(ct, boxes, *dirs, **kw)
     for j, d in enumerate(dirs):
         if is_linear(d):
-            cts[2 + j] = _REDUCE(dout, ct, boxes, *_without(dirs, j), **kw)
+            cts[2 + j] = _REDUCE(dout, ct, boxes, *without(dirs, j), **kw)
     return cts
 
 
@@ -367,7 +357,7 @@ def _reduce_jvp(primals, tangents, *, attrs, batching):
         terms.append(_REDUCE(dout, t_input, boxes, *dirs, **kw))
     for j, t in enumerate(t_dirs):
         if not is_zero(t):
-            terms.append(_REDUCE(dout, input, boxes, *_replaced(dirs, j, t), **kw))
+            terms.append(_REDUCE(dout, input, boxes, *replaced(dirs, j, t), **kw))
     if not is_zero(t_boxes):
         if len(dirs) + 1 == _MAX_ORDER:
             raise _too_high()
@@ -384,7 +374,7 @@ def _reduce_transpose(ct, dout, input, boxes, *dirs, attrs, batching):
         cts[1] = _SCATTER(dout, boxes, *dirs, ct, shape=tuple(aval(input).shape), **kw)
     for j, d in enumerate(dirs):
         if is_linear(d):
-            cts[3 + j] = _REDUCE(dout, input, boxes, *_without(dirs, j), ct, **kw)
+            cts[3 + j] = _REDUCE(dout, input, boxes, *without(dirs, j), ct, **kw)
     return cts
 
 

@@ -17,6 +17,7 @@
 #include "jax_kernels/cpu_parallel.h"
 #include "jax_kernels/ffi_util.h"
 #include "jax_kernels/grid_sample.h"
+#include "grid_sample_cpu.h"
 
 namespace jax_kernels {
 namespace {
@@ -64,11 +65,11 @@ struct TileTaps {
   }
 };
 
-// Tiles per batch row, and the grain (in tiles) below which threading does not pay.
-int64_t tiles_per_row(const GridSampleGeometry& g) { return (g.points + kTile - 1) / kTile; }
+int64_t tiles_per_row(const GridSampleGeometry& g) {
+  return grid_sample_cpu::tiles_per_row<kTile>(g);
+}
 int64_t tile_grain(const GridSampleGeometry& g, int taps) {
-  const int64_t work_per_tile = kTile * std::max<int64_t>(g.channels, 1) * taps;
-  return std::max<int64_t>(1, (int64_t{1} << 16) / work_per_tile);
+  return grid_sample_cpu::tile_grain<kTile>(g, taps);
 }
 
 // Calls body(c, std::integral_constant<int, B>) for channel blocks [c, c + B) covering
@@ -175,52 +176,30 @@ void backward_input(const GridSampleCall& call, const T* dout, const T* grid, T*
   using Tile = TileTaps<A, kMode, kDims>;
   const GridSampleGeometry& g = call.geometry;
   const int64_t tiles = tiles_per_row(g);
-  // Channel ranges per batch row: enough work items to keep every thread busy.
-  const int64_t batch = std::max<int64_t>(g.batch, 1);
-  const int64_t groups = std::clamp<int64_t>((2 * parallel_threads() + batch - 1) / batch, 1,
-                                             std::max<int64_t>(g.channels, 1));
-  parallel_for(g.batch * groups, 1, [&](int64_t begin, int64_t end) {
+  grid_sample_cpu::scatter_by_plane_groups(g, d_input, [&](int64_t m, int64_t c0, int64_t c1,
+                                                           A* acc) {
     auto taps = std::make_unique<Tile>();
-    std::vector<A> widened;  // float accumulators for the half types
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t m = item / groups;
-      const int64_t group = item % groups;
-      const int64_t c0 = g.channels * group / groups;
-      const int64_t c1 = g.channels * (group + 1) / groups;
-      const int64_t planes_size = (c1 - c0) * g.cells;
-      T* result = d_input + (m * g.channels + c0) * g.cells;
-      A* acc;
-      if constexpr (std::is_same_v<A, T>) {
-        acc = result;
-      } else {
-        widened.resize(planes_size);
-        acc = widened.data();
-      }
-      std::fill(acc, acc + planes_size, A(0));
-      const T* d = dout + call.dout_map(m) * g.channels * g.points;
-      const T* grid_row = grid + call.grid_map(m) * g.points * kDims;
-      for (int64_t tile = 0; tile < tiles; ++tile) {
-        const int64_t p0 = tile * kTile;
-        const int64_t count = std::min(kTile, g.points - p0);
-        taps->template compute<false>(g, grid_row + p0 * kDims, count);
-        with_checks(taps->all_valid, [&](auto checked) {
-          for_channel_blocks(c1 - c0, [&](int64_t c, auto block) {
-            constexpr int B = decltype(block)::value;
-            for (int64_t p = 0; p < count; ++p) {
-              A gout[B];
-              for (int b = 0; b < B; ++b) gout[b] = to_acc(d[(c0 + c + b) * g.points + p0 + p]);
-              for (int t = 0; t < Tile::kCount; ++t) {
-                if (decltype(checked)::value && !taps->valid[t][p]) continue;
-                const int64_t offset = taps->offset[t][p];
-                const A w = taps->weight[t][p];
-                for (int b = 0; b < B; ++b) acc[(c + b) * g.cells + offset] += w * gout[b];
-              }
+    const T* d = dout + call.dout_map(m) * g.channels * g.points;
+    const T* grid_row = grid + call.grid_map(m) * g.points * kDims;
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      const int64_t p0 = tile * kTile;
+      const int64_t count = std::min(kTile, g.points - p0);
+      taps->template compute<false>(g, grid_row + p0 * kDims, count);
+      with_checks(taps->all_valid, [&](auto checked) {
+        for_channel_blocks(c1 - c0, [&](int64_t c, auto block) {
+          constexpr int B = decltype(block)::value;
+          for (int64_t p = 0; p < count; ++p) {
+            A gout[B];
+            for (int b = 0; b < B; ++b) gout[b] = to_acc(d[(c0 + c + b) * g.points + p0 + p]);
+            for (int t = 0; t < Tile::kCount; ++t) {
+              if (decltype(checked)::value && !taps->valid[t][p]) continue;
+              const int64_t offset = taps->offset[t][p];
+              const A w = taps->weight[t][p];
+              for (int b = 0; b < B; ++b) acc[(c + b) * g.cells + offset] += w * gout[b];
             }
-          });
+          }
         });
-      }
-      if constexpr (!std::is_same_v<A, T>)
-        for (int64_t i = 0; i < planes_size; ++i) result[i] = from_acc<T>(acc[i]);
+      });
     }
   });
 }

@@ -17,16 +17,18 @@
 #include "jax_kernels/cpu_parallel.h"
 #include "jax_kernels/ffi_util.h"
 #include "jax_kernels/grid_sample.h"
+#include "grid_sample_cpu.h"
 
 namespace jax_kernels {
 namespace {
 
 constexpr int64_t kTile = 64;  // output points per tile
 
-int64_t tiles_per_row(const GridSampleGeometry& g) { return (g.points + kTile - 1) / kTile; }
+int64_t tiles_per_row(const GridSampleGeometry& g) {
+  return grid_sample_cpu::tiles_per_row<kTile>(g);
+}
 int64_t tile_grain(const GridSampleGeometry& g, int taps) {
-  const int64_t work_per_tile = kTile * std::max<int64_t>(g.channels, 1) * taps;
-  return std::max<int64_t>(1, (int64_t{1} << 16) / work_per_tile);
+  return grid_sample_cpu::tile_grain<kTile>(g, taps);
 }
 
 // Row `map(m)`, point p of a grid-shaped array [S, points, dims], in the accumulation type.
@@ -92,47 +94,25 @@ void backward_input_directional(const GridSampleCall& call, const GridSampleDire
   using Taps = PointTapDerivatives<A, int64_t, kMode, kDims>;
   const GridSampleGeometry& g = call.geometry;
   const int64_t tiles = tiles_per_row(g);
-  // Channel ranges per batch row: enough work items to keep every thread busy.
-  const int64_t batch = std::max<int64_t>(g.batch, 1);
-  const int64_t groups = std::clamp<int64_t>((2 * parallel_threads() + batch - 1) / batch, 1,
-                                             std::max<int64_t>(g.channels, 1));
-  parallel_for(g.batch * groups, 1, [&](int64_t begin, int64_t end) {
+  grid_sample_cpu::scatter_by_plane_groups(g, d_input, [&](int64_t m, int64_t c0, int64_t c1,
+                                                           A* acc) {
     std::vector<Taps> taps(kTile);
-    std::vector<A> widened;  // float accumulators for the half types
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t m = item / groups;
-      const int64_t group = item % groups;
-      const int64_t c0 = g.channels * group / groups;
-      const int64_t c1 = g.channels * (group + 1) / groups;
-      const int64_t planes_size = (c1 - c0) * g.cells;
-      T* result = d_input + (m * g.channels + c0) * g.cells;
-      A* acc;
-      if constexpr (std::is_same_v<A, T>) {
-        acc = result;
-      } else {
-        widened.resize(planes_size);
-        acc = widened.data();
-      }
-      std::fill(acc, acc + planes_size, A(0));
-      const T* d = dout + call.dout_map(m) * g.channels * g.points;
-      for (int64_t tile = 0; tile < tiles; ++tile) {
-        const int64_t p0 = tile * kTile;
-        const int64_t count = std::min(kTile, g.points - p0);
-        directional_taps<kOrder, T, Taps, kDims>(call, dirs, grid, direction, m, p0, count,
-                                                 taps.data());
-        for (int64_t c = c0; c < c1; ++c) {
-          A* plane = acc + (c - c0) * g.cells;
-          const T* d_row = d + c * g.points + p0;
-          for (int64_t p = 0; p < count; ++p) {
-            const Taps& tp = taps[p];
-            const A gout = to_acc(d_row[p]);
-            for (int t = 0; t < Taps::kCount; ++t)
-              if (tp.valid[t]) plane[tp.offset[t]] += tp.weight[t] * gout;
-          }
+    const T* d = dout + call.dout_map(m) * g.channels * g.points;
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      const int64_t p0 = tile * kTile;
+      const int64_t count = std::min(kTile, g.points - p0);
+      directional_taps<kOrder, T, Taps, kDims>(call, dirs, grid, direction, m, p0, count,
+                                               taps.data());
+      for (int64_t c = c0; c < c1; ++c) {
+        A* plane = acc + (c - c0) * g.cells;
+        const T* d_row = d + c * g.points + p0;
+        for (int64_t p = 0; p < count; ++p) {
+          const Taps& tp = taps[p];
+          const A gout = to_acc(d_row[p]);
+          for (int t = 0; t < Taps::kCount; ++t)
+            if (tp.valid[t]) plane[tp.offset[t]] += tp.weight[t] * gout;
         }
       }
-      if constexpr (!std::is_same_v<A, T>)
-        for (int64_t i = 0; i < planes_size; ++i) result[i] = from_acc<T>(acc[i]);
     }
   });
 }

@@ -13,15 +13,16 @@
 #include "jax_kernels/cpu_parallel.h"
 #include "jax_kernels/ffi_util.h"
 #include "jax_kernels/roi_align.h"
+#include "roi_align_gather.h"
 
 JK_ROI_ALIGN_REGISTER_ATTRS();
 
 namespace jax_kernels {
 namespace {
 
-constexpr int kChannels = 16;
-
-int64_t channel_chunks(const RoiAlignProblem& p) { return (p.C + kChannels - 1) / kChannels; }
+using roi_align_cpu::BoxWeights;
+using roi_align_cpu::channel_chunks;
+using roi_align_cpu::kChannels;
 
 template <class T>
 void forward_typed(const RoiAlignProblem& p, const T* input, const T* boxes, T* out) {
@@ -42,27 +43,6 @@ void forward_typed(const RoiAlignProblem& p, const T* input, const T* boxes, T* 
     }
   });
 }
-
-// The input-gradient weights of one box: its (row, bin row, row weight) entries in ascending row
-// and bin, and per column of its column span the (column bin, weight) pairs in ascending bin.
-template <class A>
-struct BoxWeights {
-  struct Row {
-    int64_t row, bin_row;  // bin_row = ph * PW
-    A weight;              // input_gradient_row_weight
-  };
-  struct Column {
-    int64_t bin;
-    A weight;
-  };
-  int64_t image = -1;  // no entries unless the box reads an image
-  std::vector<Row> rows;
-  int64_t column_first = 0;
-  std::vector<int64_t> column_begin;  // column_count + 1 offsets into columns
-  std::vector<Column> columns;
-
-  int64_t column_count() const { return int64_t(column_begin.size()) - 1; }
-};
 
 template <class T>
 BoxWeights<acc_t<T>> box_weights(const T* boxes, int64_t k, const RoiAlignProblem& p) {
@@ -87,9 +67,8 @@ BoxWeights<acc_t<T>> box_weights(const T* boxes, int64_t k, const RoiAlignProble
   return weights;
 }
 
-// The CUDA path's gather with its loops reordered for the CPU: per input row and channel chunk,
-// the row's entries (boxes in index order, then bin rows), per entry the columns of its box, per
-// column its column bins. Every input cell receives the same terms in the same order as on CUDA.
+// The input gradient: the CUDA path's gather with its loops reordered for the CPU
+// (roi_align_gather.h); every input cell receives the same terms in the same order as on CUDA.
 template <class T>
 void backward_input_typed(const RoiAlignProblem& p, const T* dout, const T* boxes, T* d_input) {
   using A = acc_t<T>;
@@ -97,46 +76,8 @@ void backward_input_typed(const RoiAlignProblem& p, const T* dout, const T* boxe
   parallel_for(p.K, 16, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) weights[k] = box_weights(boxes, k, p);
   });
-  // Per input row (image * H + h), its (box, index into the box's rows) entries in box order.
-  const int64_t rows = p.N * p.H;
-  std::vector<int64_t> row_begin(rows + 1, 0);
-  for (int64_t k = 0; k < p.K; ++k)
-    for (const auto& row : weights[k].rows) ++row_begin[weights[k].image * p.H + row.row + 1];
-  for (int64_t r = 0; r < rows; ++r) row_begin[r + 1] += row_begin[r];
-  std::vector<std::pair<int64_t, int64_t>> entries(row_begin.back());
-  std::vector<int64_t> next(row_begin.begin(), row_begin.end() - 1);
-  for (int64_t k = 0; k < p.K; ++k)
-    for (int64_t i = 0; i < int64_t(weights[k].rows.size()); ++i)
-      entries[next[weights[k].image * p.H + weights[k].rows[i].row]++] = {k, i};
-
-  const int64_t chunks = channel_chunks(p), bins = p.bins(), plane = p.H * p.W;
-  parallel_for(rows * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<A> acc(p.W * kChannels);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t row = task / chunks, c_begin = (task % chunks) * kChannels;
-      const int64_t n = row / p.H, h = row % p.H;
-      const int64_t channels = std::min<int64_t>(kChannels, p.C - c_begin);
-      std::fill(acc.begin(), acc.end(), A(0));
-      for (int64_t e = row_begin[row]; e < row_begin[row + 1]; ++e) {
-        const auto [k, i] = entries[e];
-        const BoxWeights<A>& box = weights[k];
-        const auto& entry = box.rows[i];
-        const T* g = dout + (k * p.C + c_begin) * bins + entry.bin_row;
-        for (int64_t j = 0; j < box.column_count(); ++j) {
-          A* cell = acc.data() + (box.column_first + j) * kChannels;
-          for (int64_t q = box.column_begin[j]; q < box.column_begin[j + 1]; ++q) {
-            const auto& column = box.columns[q];
-            const A weight = input_gradient_weight(entry.weight, column.weight);
-            for (int64_t c = 0; c < channels; ++c)
-              cell[c] += input_gradient_term(g[c * bins + column.bin], weight);
-          }
-        }
-      }
-      T* out = d_input + (n * p.C + c_begin) * plane + h * p.W;
-      for (int64_t w = 0; w < p.W; ++w)
-        for (int64_t c = 0; c < channels; ++c)
-          out[c * plane + w] = from_acc<T>(acc[w * kChannels + c]);
-    }
+  roi_align_cpu::gather_input_gradient(p, dout, weights, d_input, [](A row, A column) {
+    return input_gradient_weight(row, column);
   });
 }
 

@@ -16,15 +16,16 @@
 #include "jax_kernels/cpu_parallel.h"
 #include "jax_kernels/ffi_util.h"
 #include "jax_kernels/roi_align.h"
+#include "roi_align_gather.h"
 
 JK_ROI_ALIGN_REGISTER_ATTRS();
 
 namespace jax_kernels {
 namespace {
 
-constexpr int kChannels = 16;
-
-int64_t channel_chunks(const RoiAlignProblem& p) { return (p.C + kChannels - 1) / kChannels; }
+using roi_align_cpu::BoxWeights;
+using roi_align_cpu::channel_chunks;
+using roi_align_cpu::kChannels;
 
 template <class T>
 void forward_directional_typed(const RoiAlignProblem& p, const T* input, const T* boxes,
@@ -49,36 +50,18 @@ void forward_directional_typed(const RoiAlignProblem& p, const T* input, const T
   });
 }
 
-// The directional input-gradient weights of one box, as BoxWeights in roi_align.cc with a pair
+// The directional input-gradient weights of one box, roi_align_gather.h's BoxWeights with a pair
 // of weights per entry: its (row, bin row, row pair) entries in ascending row and bin, and per
 // column of its column span the (column bin, column pair) entries in ascending bin.
-template <class A>
-struct DirectionalBoxWeights {
-  struct Row {
-    int64_t row, bin_row;  // bin_row = ph * PW
-    DirectionalPair<A> pair;  // directional_row_pair
-  };
-  struct Column {
-    int64_t bin;
-    DirectionalPair<A> pair;
-  };
-  int64_t image = -1;  // no entries unless the box reads an image
-  std::vector<Row> rows;
-  int64_t column_first = 0;
-  std::vector<int64_t> column_begin;  // column_count + 1 offsets into columns
-  std::vector<Column> columns;
-
-  int64_t column_count() const { return int64_t(column_begin.size()) - 1; }
-};
-
 template <class T>
-DirectionalBoxWeights<acc_t<T>> directional_box_weights(const T* boxes, const T* u, const T* v,
-                                                        int64_t k, const RoiAlignProblem& p) {
+BoxWeights<DirectionalPair<acc_t<T>>> directional_box_weights(const T* boxes, const T* u,
+                                                              const T* v, int64_t k,
+                                                              const RoiAlignProblem& p) {
   using A = acc_t<T>;
   const RoiBox<A> box = roi_box_with_spans(boxes, k, p);
   DirectionalTerms<A> row_terms, column_terms;
   directional_terms(roi_directional(u, v, k), &row_terms, &column_terms);
-  DirectionalBoxWeights<A> weights;
+  BoxWeights<DirectionalPair<A>> weights;
   weights.column_begin.assign(1, 0);
   if (box.image < 0) return weights;
   weights.image = box.image;
@@ -100,56 +83,21 @@ DirectionalBoxWeights<acc_t<T>> directional_box_weights(const T* boxes, const T*
   return weights;
 }
 
-// Per input row and channel chunk, the row's entries (boxes in index order, then bin rows), per
-// entry the columns of its box, per column its column bins.
+// The input gradient: the plain pass's row-list gather (roi_align_gather.h) with a pair of
+// weights per entry.
 template <class T>
 void backward_input_directional_typed(const RoiAlignProblem& p, const T* dout, const T* boxes,
                                       const T* u, const T* v, T* d_input) {
   using A = acc_t<T>;
-  std::vector<DirectionalBoxWeights<A>> weights(p.K);
+  std::vector<BoxWeights<DirectionalPair<A>>> weights(p.K);
   parallel_for(p.K, 16, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) weights[k] = directional_box_weights(boxes, u, v, k, p);
   });
-  const int64_t rows = p.N * p.H;
-  std::vector<int64_t> row_begin(rows + 1, 0);
-  for (int64_t k = 0; k < p.K; ++k)
-    for (const auto& row : weights[k].rows) ++row_begin[weights[k].image * p.H + row.row + 1];
-  for (int64_t r = 0; r < rows; ++r) row_begin[r + 1] += row_begin[r];
-  std::vector<std::pair<int64_t, int64_t>> entries(row_begin.back());
-  std::vector<int64_t> next(row_begin.begin(), row_begin.end() - 1);
-  for (int64_t k = 0; k < p.K; ++k)
-    for (int64_t i = 0; i < int64_t(weights[k].rows.size()); ++i)
-      entries[next[weights[k].image * p.H + weights[k].rows[i].row]++] = {k, i};
-
-  const int64_t chunks = channel_chunks(p), bins = p.bins(), plane = p.H * p.W;
-  parallel_for(rows * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<A> acc(p.W * kChannels);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t row = task / chunks, c_begin = (task % chunks) * kChannels;
-      const int64_t n = row / p.H, h = row % p.H;
-      const int64_t channels = std::min<int64_t>(kChannels, p.C - c_begin);
-      std::fill(acc.begin(), acc.end(), A(0));
-      for (int64_t e = row_begin[row]; e < row_begin[row + 1]; ++e) {
-        const auto [k, i] = entries[e];
-        const DirectionalBoxWeights<A>& box = weights[k];
-        const auto& entry = box.rows[i];
-        const T* g = dout + (k * p.C + c_begin) * bins + entry.bin_row;
-        for (int64_t j = 0; j < box.column_count(); ++j) {
-          A* cell = acc.data() + (box.column_first + j) * kChannels;
-          for (int64_t q = box.column_begin[j]; q < box.column_begin[j + 1]; ++q) {
-            const auto& column = box.columns[q];
-            const A weight = directional_weight(entry.pair, column.pair);
-            for (int64_t c = 0; c < channels; ++c)
-              cell[c] += input_gradient_term(g[c * bins + column.bin], weight);
-          }
-        }
-      }
-      T* out = d_input + (n * p.C + c_begin) * plane + h * p.W;
-      for (int64_t w = 0; w < p.W; ++w)
-        for (int64_t c = 0; c < channels; ++c)
-          out[c * plane + w] = from_acc<T>(acc[w * kChannels + c]);
-    }
-  });
+  roi_align_cpu::gather_input_gradient(
+      p, dout, weights, d_input,
+      [](const DirectionalPair<A>& row, const DirectionalPair<A>& column) {
+        return directional_weight(row, column);
+      });
 }
 
 template <class T>
