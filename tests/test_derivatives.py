@@ -223,7 +223,7 @@ def test_roi_align_hessian_vector_product_matches_differences():
 
 
 @pytest.mark.parametrize("op", ["grid_sample", "roi_align", "conv2d", "lerp", "repeat"])
-def test_hessian_equals_jacfwd_of_jacrev_and_jacrev_of_jacfwd(op):
+def test_linearize_and_hessian_equals_jacfwd_of_jacrev_and_jacrev_of_jacfwd(op):
     if op == "grid_sample":
         x, grid = grid_inputs(4, True, seed=5)
         x, grid = x[:1, :1], grid[:1, :2, :2]
@@ -246,6 +246,11 @@ def test_hessian_equals_jacfwd_of_jacrev_and_jacrev_of_jacfwd(op):
         f = lambda x, y: jnp.sum(jnp.sin(jk.repeat(x, (2, 2)) * jk.repeat(y, (1, 2))))
         args = (rand(0, (2, 3)), rand(1, (4, 3)))
     argnums = (0, 1)
+    # linearize gives jvp's tangent map, under jit too.
+    tangents = tuple(rand(40 + i, a.shape) for i, a in enumerate(args))
+    _, f_lin = jax.linearize(f, *args)
+    allclose(jax.jit(f_lin)(*tangents), jax.jit(lambda *t: jax.jvp(f, args, t)[1])(*tangents),
+             rtol=1e-12)
     hessian = jax.jit(jax.hessian(f, argnums))(*args)
     allclose(hessian, jax.jacfwd(jax.jacrev(f, argnums), argnums)(*args), rtol=1e-12)
     allclose(hessian, jax.jacrev(jax.jacfwd(f, argnums), argnums)(*args), rtol=1e-10)
