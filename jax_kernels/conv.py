@@ -55,9 +55,11 @@ def conv2d(input: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: 
       weight: ``[K, C / groups, R, S]``.
       bias: ``[K]`` or None.
       stride, dilation: int or ``(h, w)``, positive.
-      padding: int or ``(h, w)`` (the same on both sides), ``"valid"`` (none) or ``"same"``
-        (output size = input size; stride 1 only; an odd total goes to the bottom/right, as in
-        torch).
+      padding: torch's forms: an int or ``(h, w)`` (the same on both sides), ``"valid"`` (none)
+        or ``"same"`` (output size = input size; stride 1 only; an odd total goes to the
+        bottom/right); lax.conv's and Flax's forms: ``((top, bottom), (left, right))``,
+        ``"VALID"``, ``"SAME"`` (output size = ceil(input / stride), any stride, the odd one out
+        at the bottom/right) or ``"SAME_LOWER"`` (at the top/left). Non-negative.
       groups: input and output channels are split into this many groups (``groups == C`` is a
         depthwise convolution; ``K = m * C`` gives channel multiplier m).
       precision: None / ``"default"``: float32 runs on tensor cores in TF32 where the CUDA
@@ -145,6 +147,50 @@ def _pair(name: str, value: Any) -> tuple[int, int]:
     return v, v
 
 
+_PADDING_FORMS = ("an int, a pair of ints, a pair of (low, high) pairs, 'valid' or 'same' "
+                  "(torch), or 'VALID', 'SAME' or 'SAME_LOWER' (lax)")
+
+
+def _padding(padding: Any, hw: tuple[int, int], span: tuple[int, int],
+             stride: tuple[int, int]) -> tuple[int, int, int, int]:
+    """(top, bottom, left, right) from every form torch and lax.conv / Flax accept."""
+    if isinstance(padding, str):
+        if padding in ("valid", "VALID"):
+            return (0, 0, 0, 0)
+        if padding == "same":  # torch: stride 1 only; the odd one out at the bottom/right
+            if stride != (1, 1):
+                raise ValueError(f"{_OP}(): padding='same' is not supported for strided "
+                                 f"convolutions, got stride={stride} (lax's 'SAME' is)")
+            ph, pw = span[0] - 1, span[1] - 1
+            return (ph // 2, ph - ph // 2, pw // 2, pw - pw // 2)
+        if padding in ("SAME", "SAME_LOWER"):  # lax: output ceil(size / stride), any stride
+            pads = []
+            for size, extent, step in zip(hw, span, stride):
+                total = max((-(-size // step) - 1) * step + extent - size, 0)
+                low = total // 2 if padding == "SAME" else total - total // 2
+                pads += [low, total - low]
+            return tuple(pads)
+        raise ValueError(f"{_OP}(): padding must be {_PADDING_FORMS}, got {padding!r}")
+    if (isinstance(padding, (tuple, list)) and len(padding) == 2
+            and all(isinstance(p, (tuple, list)) for p in padding)):
+        if not all(len(p) == 2 for p in padding):
+            raise ValueError(f"{_OP}(): padding must be {_PADDING_FORMS}, got {padding!r}")
+        try:
+            pads = tuple(_int("padding", v) for pair in padding for v in pair)
+        except TypeError:
+            raise TypeError(f"{_OP}(): padding must be {_PADDING_FORMS}, got {padding!r}") from None
+    else:
+        try:
+            ph, pw = _pair("padding", padding)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"{_OP}(): padding must be {_PADDING_FORMS}, got "
+                              f"{padding!r}") from None
+        pads = (ph, ph, pw, pw)
+    if min(pads) < 0:
+        raise ValueError(f"{_OP}(): padding must be non-negative, got {padding!r}")
+    return pads
+
+
 def _make_conv(x_shape, w_shape, b_shape, stride, padding, dilation, groups, precision) -> _Attrs:
     shapes = f"input {tuple(x_shape)}, weight {tuple(w_shape)}"
     if len(w_shape) != 4:
@@ -173,24 +219,7 @@ def _make_conv(x_shape, w_shape, b_shape, stride, padding, dilation, groups, pre
         raise ValueError(f"{_OP}(): expected bias of shape ({K},), got {tuple(b_shape)}; "
                          f"{shapes}")
     span = (dilation[0] * (R - 1) + 1, dilation[1] * (S - 1) + 1)
-    if isinstance(padding, str):
-        if padding == "valid":
-            pads = (0, 0, 0, 0)
-        elif padding == "same":
-            if stride != (1, 1):
-                raise ValueError(f"{_OP}(): padding='same' is not supported for strided "
-                                 f"convolutions, got stride={stride}")
-            # As torch: the total padding span - 1, the odd one out at the bottom/right.
-            ph, pw = span[0] - 1, span[1] - 1
-            pads = (ph // 2, ph - ph // 2, pw // 2, pw - pw // 2)
-        else:
-            raise ValueError(f"{_OP}(): padding must be an int, a pair of ints, 'valid' or "
-                             f"'same', got {padding!r}")
-    else:
-        ph, pw = _pair("padding", padding)
-        if ph < 0 or pw < 0:
-            raise ValueError(f"{_OP}(): padding must be non-negative, got {(ph, pw)}")
-        pads = (ph, ph, pw, pw)
+    pads = _padding(padding, (H, W), span, stride)
     padded = (H + pads[0] + pads[1], W + pads[2] + pads[3])
     if span[0] > padded[0] or span[1] > padded[1]:
         raise ValueError(f"{_OP}(): the kernel spans {span} (size {(R, S)}, dilation "

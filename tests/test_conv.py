@@ -322,3 +322,48 @@ def test_gradients_are_bitwise_reproducible(dtype, geometry):
     for _ in range(20):
         for a, e in zip(grads(x, w, b, dy), first):
             np.testing.assert_array_equal(np.asarray(a).view(np.uint8), e.view(np.uint8))
+
+
+# lax.conv's and Flax's padding forms, against lax.conv itself (which takes them natively).
+LAX_PADDINGS = [
+    ("SAME", (1, 1), (1, 1), (3, 3)),
+    ("SAME", (2, 2), (1, 1), (3, 3)),
+    ("SAME", (2, 3), (1, 2), (4, 2)),   # even kernel, strided, dilated: asymmetric totals
+    ("SAME", (3, 1), (1, 1), (2, 5)),
+    ("SAME_LOWER", (2, 2), (1, 1), (4, 4)),
+    ("SAME_LOWER", (1, 1), (2, 1), (2, 3)),
+    ("VALID", (2, 1), (1, 1), (3, 3)),
+    (((1, 0), (1, 0)), (1, 1), (1, 1), (2, 2)),
+    (((0, 2), (3, 1)), (2, 1), (1, 2), (3, 3)),
+    ([[2, 2], [0, 0]], (1, 3), (1, 1), (5, 1)),
+]
+
+
+@pytest.mark.parametrize("padding,stride,dilation,kernel", LAX_PADDINGS, ids=str)
+def test_lax_padding_forms_match_lax_conv(padding, stride, dilation, kernel):
+    x = random(30, (2, 4, 11, 10), jnp.float64)
+    w = random(31, (6, 2) + kernel, jnp.float64)
+    b = random(32, (6,), jnp.float64)
+    ours = lambda x, w, b: jk.conv2d(x, w, b, stride, padding, dilation, groups=2)
+    lax_padding = padding if isinstance(padding, str) else [tuple(p) for p in padding]
+    ref = lambda x, w, b: jax.lax.conv_general_dilated(
+        x, w, stride, lax_padding, rhs_dilation=dilation, feature_group_count=2,
+        precision=jax.lax.Precision.HIGHEST) + b[None, :, None, None]
+    assert_close(ours(x, w, b), ref(x, w, b), jnp.float64)
+    loss = lambda f: lambda *a: jnp.sum(jnp.tanh(f(*a)) ** 2)
+    for got, want in zip(jax.grad(loss(ours), (0, 1, 2))(x, w, b),
+                         jax.grad(loss(ref), (0, 1, 2))(x, w, b)):
+        assert_close(got, want, jnp.float64)
+
+
+@pytest.mark.parametrize("padding,error", [
+    ("full", ValueError), ("same_lower", ValueError), (((1, 0), (1, 0, 2)), ValueError),
+    (((1, -1), (0, 0)), ValueError), (((1.5, 0), (0, 0)), TypeError), ((1, 2, 3), ValueError),
+    (1.5, TypeError),
+])
+def test_padding_errors_show_the_whole_value(padding, error):
+    x, w = random(33, (1, 2, 6, 6)), random(34, (2, 2, 3, 3))
+    with pytest.raises(error, match=r"conv2d\(\): padding must be") as info:
+        jk.conv2d(x, w, padding=padding)
+    if not isinstance(padding, str):
+        assert repr(padding) in str(info.value)
