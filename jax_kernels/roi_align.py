@@ -90,7 +90,8 @@ def roi_align(input: Any, boxes: Any, output_size: int | Sequence[int], spatial_
     boxes = _rois(input, boxes)
     check_float_dtypes("roi_align", input=input, boxes=boxes)
     attrs = _Attrs(*_output_size(output_size), _spatial_scale(spatial_scale),
-                   _sampling_ratio(sampling_ratio), bool(aligned), bool(deterministic))
+                   _sampling_ratio(sampling_ratio), _flag("aligned", aligned),
+                   _flag("deterministic", deterministic))
     return _roi_align_jit(input, boxes, attrs)
 
 
@@ -135,10 +136,22 @@ def _output_size(output_size: Any) -> tuple[int, int]:
 
 
 def _spatial_scale(spatial_scale: Any) -> float:
-    if isinstance(spatial_scale, (bool, np.bool_)) or not isinstance(spatial_scale, numbers.Real):
-        raise TypeError("roi_align(): spatial_scale must be a Python float (a static argument), "
-                        f"got {type(spatial_scale).__name__}")
-    return float(spatial_scale)
+    """A static float: a Python or NumPy number, or a concrete (not traced) JAX scalar."""
+    if isinstance(spatial_scale, (jax.Array, np.ndarray)) and not isinstance(
+            spatial_scale, jax.core.Tracer):
+        if spatial_scale.shape == () and jnp.issubdtype(spatial_scale.dtype, jnp.floating):
+            return float(spatial_scale)
+    elif isinstance(spatial_scale, numbers.Real) and not isinstance(spatial_scale,
+                                                                  (bool, np.bool_)):
+        return float(spatial_scale)
+    raise TypeError("roi_align(): spatial_scale must be a number or a concrete float scalar (a "
+                    f"static argument, not traced), got {type(spatial_scale).__name__}")
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"roi_align(): {name} must be a bool, got {value!r}")
+    return bool(value)
 
 
 def _sampling_ratio(sampling_ratio: Any) -> int:

@@ -503,10 +503,24 @@ def test_errors_name_the_op_and_show_shapes():
         jk.roi_align(x, boxes, "7")
     with pytest.raises(TypeError, match=r"roi_align\(\): spatial_scale"):
         jax.jit(lambda s: jk.roi_align(x, boxes, 2, s))(0.5)
+    with pytest.raises(TypeError, match=r"roi_align\(\): spatial_scale"):
+        jk.roi_align(x, boxes, 2, jnp.ones(2))
+    with pytest.raises(TypeError, match=r"roi_align\(\): deterministic must be a bool"):
+        jk.roi_align(x, boxes, 2, deterministic="no")
+    with pytest.raises(TypeError, match=r"roi_align\(\): aligned must be a bool"):
+        jk.roi_align(x, boxes, 2, aligned=1)
     with pytest.raises(TypeError, match=r"roi_align\(\): sampling_ratio"):
         jk.roi_align(x, boxes, 2, 1.0, 1.5)
     with pytest.raises(ValueError, match=r"roi_align\(\).*float16 cannot represent"):
         jk.roi_align(x.astype(jnp.float16), [jnp.zeros((1, 4), jnp.float16)] * 2049, 2)
+
+
+def test_concrete_scalars_are_static_arguments():
+    """A concrete jnp or NumPy scalar is a number like any other (only a traced one is not)."""
+    x, boxes = inputs()
+    expected = jk.roi_align(x, boxes, 2, 0.5)
+    for scale in (jnp.asarray(0.5), np.float32(0.5), jnp.asarray(0.5, jnp.float32)):
+        assert_close(jk.roi_align(x, boxes, 2, scale), expected, jnp.float64)
 
 
 def test_capabilities_list_roi_align():
