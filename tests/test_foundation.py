@@ -33,9 +33,19 @@ def test_capabilities_table():
     row = rows[("repeat", "backward d_input", "bfloat16", "cpu")]
     assert row.accumulator == "float32" and row.deterministic == "bitwise"
     assert rows[("lerp", "forward", "float64", "cpu")].accumulator == "float64"
+    # Printed: a compact summary, one line per (op, pass), short enough to read.
     text = str(table)
-    assert text.splitlines()[0].split() == ["op", "pass", "dtype", "platform", "deterministic", "accumulator", "backend"]
-    assert len(text.splitlines()) == len(table) + 2
+    lines = text.splitlines()
+    passes = {(r.op, r.pass_) for r in table}
+    assert lines[1].split() == ["op", "pass"] + sorted(platforms)
+    assert len(lines) <= len(passes) + 7 and max(len(line) for line in lines) <= 100
+    assert any(line.split()[:3] == ["repeat", "backward", "d_input"] for line in lines)
+    assert ("CUDA module built" in lines[0]) == _ffi.CUDA_BUILT
+    # full=True: one line per row.
+    full = str(jk.capabilities(full=True)).splitlines()
+    assert full[0].split() == ["op", "pass", "dtype", "platform", "deterministic", "accumulator",
+                               "backend"]
+    assert len(full) == len(table) + 2
 
 
 def test_enum_codes_come_from_the_native_module():
