@@ -30,12 +30,12 @@ import jax_kernels as jk
 
 try:
     import torch
-except ImportError:  # torch is an optional peer
+except Exception:  # torch is an optional peer: absent, or broken in this environment
     torch = None
 
 try:
     import torchvision
-except ImportError:  # torchvision is an optional peer (roi_align)
+except Exception:  # an optional peer (roi_align): absent, or built for another torch
     torchvision = None
 
 

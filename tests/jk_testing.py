@@ -11,8 +11,11 @@ import numpy as np
 
 try:
     import torch
-except ImportError:  # torch is an optional oracle
+except Exception as error:  # torch is an optional oracle: absent, or broken in this environment
     torch = None
+    TORCH_UNAVAILABLE = f"torch is not importable ({type(error).__name__}: {error})"[:200]
+else:
+    TORCH_UNAVAILABLE = ""
 
 DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 

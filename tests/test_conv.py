@@ -15,11 +15,11 @@ from jax.test_util import check_grads
 
 import jax_kernels as jk
 from jax_kernels import _ffi
-from jk_testing import (ON_GPU, assert_close, assert_lowered, from_torch, random, rtol,
-                        to_torch, torch, torch_dtype)
+from jk_testing import (ON_GPU, TORCH_UNAVAILABLE, assert_close, assert_lowered, from_torch,
+                        random, rtol, to_torch, torch, torch_dtype)
 
 pytestmark = [
-    pytest.mark.skipif(torch is None, reason="torch is the oracle"),
+    pytest.mark.skipif(torch is None, reason=TORCH_UNAVAILABLE),
     # torch's own remark about how it pads asymmetric "same" convolutions.
     pytest.mark.filterwarnings("ignore:Using padding='same'"),
 ]

@@ -13,6 +13,7 @@ import pytest
 
 import jax_kernels as jk
 from jax_kernels import _ffi
+from jk_testing import TORCH_UNAVAILABLE, torch
 
 
 def test_same_targets_on_every_platform():
@@ -53,9 +54,11 @@ def test_enum_codes_come_from_the_native_module():
                                "ConvDtype"}
     assert _ffi.ENUMS["ConvDtype"] == {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
     # grid_sample's codes are torch's (ATen's GridSamplerInterpolation / GridSamplerPadding).
-    torch_functional = pytest.importorskip("torch.nn.functional")
-    assert _ffi.ENUMS["GridSampleMode"] == torch_functional.GRID_SAMPLE_INTERPOLATION_MODES
-    assert _ffi.ENUMS["GridSamplePadding"] == torch_functional.GRID_SAMPLE_PADDING_MODES
+    if torch is None:
+        pytest.skip(TORCH_UNAVAILABLE)
+    functional = torch.nn.functional
+    assert _ffi.ENUMS["GridSampleMode"] == functional.GRID_SAMPLE_INTERPOLATION_MODES
+    assert _ffi.ENUMS["GridSamplePadding"] == functional.GRID_SAMPLE_PADDING_MODES
 
 
 @pytest.mark.skipif(not _ffi.CUDA_BUILT, reason="host queries live in the CUDA module")

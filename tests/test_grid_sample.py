@@ -18,7 +18,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_kernels as jk
-from jk_testing import ON_GPU, assert_close, assert_lowered, to_numpy64, torch
+from jk_testing import TORCH_UNAVAILABLE, ON_GPU, assert_close, assert_lowered, to_numpy64, torch
 
 MODES = ("bilinear", "nearest", "bicubic")
 PADDINGS = ("zeros", "border", "reflection")
@@ -30,7 +30,7 @@ TORCH_RTOL = {np.dtype(jnp.float64): 1e-9, np.dtype(jnp.float32): 2e-4}
 REFERENCE_RTOL = {np.dtype(jnp.float64): 1e-12, np.dtype(jnp.float16): 1e-2,
                   np.dtype(jnp.bfloat16): 1e-2}
 
-needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+needs_torch = pytest.mark.skipif(torch is None, reason=TORCH_UNAVAILABLE)
 
 
 # --- float64 NumPy reference, from the torch.nn.functional.grid_sample documentation ----------

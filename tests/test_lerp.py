@@ -12,9 +12,10 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_kernels as jk
-from jk_testing import DTYPES, assert_close, assert_lowered, from_torch, random, to_torch, torch
+from jk_testing import (TORCH_UNAVAILABLE, DTYPES, assert_close, assert_lowered, from_torch, random,
+                        to_torch, torch)
 
-needs_torch = pytest.mark.skipif(torch is None, reason="torch not installed")
+needs_torch = pytest.mark.skipif(torch is None, reason=TORCH_UNAVAILABLE)
 
 # (input shape, end shape, weight shape or None for a Python-scalar weight)
 SHAPES = [

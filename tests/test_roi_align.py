@@ -20,14 +20,19 @@ from hypothesis import strategies as st
 from jax.test_util import check_grads
 
 import jax_kernels as jk
-from jk_testing import ON_GPU, assert_close, assert_lowered, random, rtol, to_numpy64
+from jk_testing import (ON_GPU, TORCH_UNAVAILABLE, assert_close, assert_lowered, random, rtol,
+                        to_numpy64, torch)
 
-torch = pytest.importorskip("torch")  # the reference is written in torch (float64 autograd)
+if torch is None:  # the reference is written in torch (float64 autograd)
+    pytest.skip(TORCH_UNAVAILABLE, allow_module_level=True)
 
 try:
     import torchvision
-except ImportError:  # installed on the GPU machine only
+except Exception as error:  # optional: absent, or built for another torch (RuntimeError)
     torchvision = None
+    TORCHVISION_UNAVAILABLE = f"torchvision is not importable ({type(error).__name__}: {error})"[:200]
+else:
+    TORCHVISION_UNAVAILABLE = ""
 
 HALF = (jnp.float16, jnp.bfloat16)
 FORBIDDEN = ("stablehlo.while", "stablehlo.gather", "stablehlo.scatter")
@@ -457,7 +462,7 @@ def test_backward_is_bitwise_reproducible(dtype, sampling_ratio):
 # --- torchvision (GPU machine) -----------------------------------------------------------------
 
 
-@pytest.mark.skipif(torchvision is None, reason="torchvision is not installed")
+@pytest.mark.skipif(torchvision is None, reason=TORCHVISION_UNAVAILABLE)
 @pytest.mark.parametrize("output_size", [1, (2, 3), 7])
 @pytest.mark.parametrize("spatial_scale", [1.0, 0.25])
 @pytest.mark.parametrize("sampling_ratio", [-1, 0, 2])
