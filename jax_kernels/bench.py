@@ -1,4 +1,7 @@
-"""Benchmarks: ``python -m jax_kernels.bench [--ops lerp,repeat] [--json FILE] [--quick]``.
+"""Benchmarks: ``python -m jax_kernels.bench [--ops lerp,repeat] [--json FILE] [--quick | --full]``.
+
+On a GPU the full sizes run by default; on a CPU the small ones (``--quick``, a few minutes on
+two cores), unless ``--full`` asks for the GPU sizes there too (over 15 minutes on two cores).
 
 Times each op and pass against what a user would pick instead, side by side in one run: the
 pure-``jnp`` form, and torch when importable (on the same device). Every contender is timed the
@@ -560,7 +563,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default=",".join(CASES), help="comma-separated ops")
     parser.add_argument("--json", default=None, help="write the results to this file")
-    parser.add_argument("--quick", action="store_true", help="small sizes (CPU smoke test)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes (the default on a CPU)")
+    parser.add_argument("--full", action="store_true",
+                        help="the full sizes on a CPU too (the default on a GPU)")
     parser.add_argument("--dispatches", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args(argv)
@@ -568,7 +574,10 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [op for op in ops if op not in CASES]
     if unknown:
         parser.error(f"unknown ops {unknown}; choose from {list(CASES)}")
-    report = run(ops, args.quick, args.dispatches, args.rounds)
+    if args.quick and args.full:
+        parser.error("--quick and --full exclude each other")
+    quick = args.quick or (not args.full and jax.default_backend() == "cpu")
+    report = run(ops, quick, args.dispatches, args.rounds)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
