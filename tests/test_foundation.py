@@ -141,3 +141,30 @@ def test_eager_calls_reuse_compiled_executables(caplog):
             jax.block_until_ready(call())
         compiled += [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
     assert not compiled, compiled
+
+
+def test_an_exception_in_a_worker_chunk_is_a_clean_error(tmp_path):
+    """A chunk of a threaded CPU loop that throws (here std::bad_alloc from a conv2d whose padded
+    rows cannot be allocated) gives the caller a JaxRuntimeError, as a single thread does, with
+    every chunk finished first: no terminate, no use of a destroyed task. Run in a subprocess
+    with two threads, so that a crash fails this test and not the suite."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "throw.py"
+    script.write_text(
+        "import jax.numpy as jnp, jax_kernels as jk\n"
+        "x, w = jnp.ones((64, 8, 32, 4)), jnp.ones((8, 8, 1, 2))\n"
+        "p = 10 ** 12\n"
+        "try:\n"
+        "    print('ok', jk.conv2d(x, w, padding=(0, p), dilation=(1, 2 * p)).shape)\n"
+        "except Exception as error:\n"
+        "    print('error', type(error).__name__, error)\n")
+    env = dict(os.environ, JAX_KERNELS_NUM_THREADS="2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(jk.__file__)),
+                                           os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("ok") or last.startswith("error JaxRuntimeError"), last

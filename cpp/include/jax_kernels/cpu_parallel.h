@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
+#include <exception>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -44,7 +45,9 @@ class ThreadPool {
 
   // Runs task(c) for c in [0, chunks), chunks <= threads(), and returns when all are done.
   // Returns false without running anything when the pool is busy (a concurrent or nested
-  // call); the caller then runs the work itself.
+  // call); the caller then runs the work itself. If chunks throw (std::bad_alloc, ...), every
+  // chunk still finishes before the task goes out of scope, and the first exception is rethrown
+  // here, on the caller's thread, as a single-threaded run would throw it.
   bool try_run(int chunks, const std::function<void(int)>& task) {
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
     if (!busy.owns_lock()) return false;
@@ -54,13 +57,24 @@ class ThreadPool {
       control_ = FloatControl{};
       chunks_ = chunks;
       pending_ = chunks - 1;
+      failure_ = nullptr;
       ++generation_;
     }
     wake_.notify_all();
-    task(0);
-    std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [&] { return pending_ == 0; });
-    task_ = nullptr;
+    std::exception_ptr failure;
+    try {
+      task(0);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      done_.wait(lock, [&] { return pending_ == 0; });
+      task_ = nullptr;
+      if (!failure) failure = failure_;
+      failure_ = nullptr;
+    }
+    if (failure) std::rethrow_exception(failure);
     return true;
   }
 
@@ -101,8 +115,14 @@ class ThreadPool {
         control = control_;
       }
       control.apply();
-      (*task)(index);
+      std::exception_ptr failure;
+      try {
+        (*task)(index);
+      } catch (...) {  // an exception must not leave a worker: the caller rethrows it
+        failure = std::current_exception();
+      }
       std::lock_guard<std::mutex> lock(mutex_);
+      if (failure && !failure_) failure_ = failure;
       if (--pending_ == 0) done_.notify_one();
     }
   }
@@ -115,6 +135,7 @@ class ThreadPool {
   FloatControl control_;
   int chunks_ = 0;
   int pending_ = 0;
+  std::exception_ptr failure_;  // the first exception a worker's chunk threw
   uint64_t generation_ = 0;
   bool stop_ = false;
 };
