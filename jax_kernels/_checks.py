@@ -36,5 +36,20 @@ def check_float_dtypes(op: str, **arrays: Any) -> np.dtype:
     return next(iter(dtypes.values()))
 
 
+def bit_width(dtype: Any) -> int:
+    """Bits per element. NumPy reports itemsize 1 for the sub-byte types of ml_dtypes (int4,
+    uint4, int2, uint2, float4_e2m1fn), which JAX packs several to a byte; their own finfo /
+    iinfo know the width."""
+    import ml_dtypes
+
+    dtype = np.dtype(dtype)
+    for info in (ml_dtypes.finfo, ml_dtypes.iinfo):
+        try:
+            return int(info(dtype).bits)
+        except (ValueError, TypeError):
+            pass
+    return dtype.itemsize * 8
+
+
 def is_python_scalar(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from . import _ffi
-from ._checks import as_array
+from ._checks import as_array, bit_width
 from ._primitive import Kernel, aval, is_zero
 
 _MAX_REPEATED_AXES = 15
@@ -30,8 +30,11 @@ def repeat(x: Any, repeats: int | Sequence[int]) -> jax.Array:
     Any dtype tiles; floating dtypes (float16, bfloat16, float32, float64) are differentiable.
     """
     x = as_array("repeat", "x", x)
-    if np.dtype(x.dtype).itemsize not in (1, 2, 4, 8, 16):
-        raise TypeError(f"repeat(): dtype {x.dtype} is not supported (sub-byte element types)")
+    bits = bit_width(x.dtype)
+    if bits < 8 or np.dtype(x.dtype).itemsize not in (1, 2, 4, 8, 16):
+        raise TypeError(f"repeat(): dtype {x.dtype} ({bits} bits per element) is not supported: "
+                        "elements of 1, 2, 4, 8 or 16 whole bytes only (JAX packs sub-byte types "
+                        "several to a byte); use jnp.tile, or cast to a byte type first")
     repeats = _check_repeats(x, repeats)
     return _forward(x, repeats)
 

@@ -145,3 +145,16 @@ def test_errors():
         jk.repeat(x, (2, 1.5))
     with pytest.raises(TypeError, match=r"repeat\(\)"):
         jk.repeat(None, (2,))
+
+
+@pytest.mark.parametrize("dtype", ["int4", "uint4", "int2", "uint2", "float4_e2m1fn"])
+def test_sub_byte_dtypes_are_refused(dtype):
+    """JAX packs these several to a byte while NumPy reports itemsize 1: tiling them as bytes
+    gave wrong values and heap corruption. They are refused at trace time, naming the op."""
+    import ml_dtypes
+
+    x = jnp.zeros((3, 5), getattr(ml_dtypes, dtype))
+    with pytest.raises(TypeError, match=r"repeat\(\): dtype .* bits per element"):
+        jk.repeat(x, (2, 3))
+    with pytest.raises(TypeError, match=r"repeat\(\)"):
+        jax.jit(lambda v: jk.repeat(v, 2)).trace(x)
