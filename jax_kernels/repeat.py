@@ -1,6 +1,6 @@
 """``repeat``: torch.Tensor.repeat as a JAX op backed by the ``jk_repeat_*`` kernels.
 
-The forward tiles x (any dtype; a byte copy); the backward sums, for each element of x, all of
+The forward tiles x (any dtype of whole bytes; a byte copy); the backward sums, for each element of x, all of
 its copies in the output gradient in a fixed order. Both are primitives, linear and each
 other's transpose, so every derivative is one of them. Batching: the vmapped axis becomes a
 leading dimension, which the kernels read (beyond ``len(repeats)``) as a batch dimension with
@@ -27,7 +27,8 @@ def repeat(x: Any, repeats: int | Sequence[int]) -> jax.Array:
 
     ``len(repeats)`` must be at least ``x.ndim``; extra leading entries add new leading axes.
     Output axis i has size ``repeats[i] * x_padded.shape[i]`` (zero repeats give an empty axis).
-    Any dtype tiles; floating dtypes (float16, bfloat16, float32, float64) are differentiable.
+    Any dtype of 1, 2, 4, 8 or 16 bytes tiles (sub-byte types such as int4 raise TypeError);
+    floating dtypes (float16, bfloat16, float32, float64) are differentiable.
     """
     x = as_array("repeat", "x", x)
     bits = bit_width(x.dtype)
