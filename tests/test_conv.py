@@ -16,7 +16,7 @@ from jax.test_util import check_grads
 import jax_kernels as jk
 from jax_kernels import _ffi
 from jk_testing import (ON_GPU, TORCH_UNAVAILABLE, assert_close, assert_lowered, from_torch,
-                        random, rtol, to_torch, torch, torch_dtype)
+                        random, rtol, to_torch, torch)
 
 pytestmark = [
     pytest.mark.skipif(torch is None, reason=TORCH_UNAVAILABLE),

@@ -16,7 +16,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_kernels as jk
-from jk_testing import assert_close, assert_lowered
+from jk_testing import assert_lowered
 from test_grid_sample import smooth_grid
 
 jax.config.update("jax_enable_x64", True)

@@ -26,7 +26,7 @@ import pytest
 
 from jax_kernels import _ffi
 from jax_kernels.roi_align import _Attrs, _Batching, _ffi_attributes
-from jk_testing import assert_close, random, rtol, to_numpy64
+from jk_testing import assert_close, random, to_numpy64
 
 SHAPE = (2, 3, 10, 13)  # N, C, H, W
 OUT = (3, 4)  # PH, PW
