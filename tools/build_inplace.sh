@@ -8,5 +8,5 @@ cd "$(dirname "$0")/.."
 build=build/inplace
 cmake -S . -B "$build" -G Ninja -DPython_EXECUTABLE="$(command -v python3)" "$@" >/dev/null
 cmake --build "$build"
-cp "$build"/_cpu*.so jax_kernels/
-if ls "$build"/_cuda*.so >/dev/null 2>&1; then cp "$build"/_cuda*.so jax_kernels/; else rm -f jax_kernels/_cuda*.so; fi
+cp "$build"/cpp/_cpu*.so jax_kernels/
+if ls "$build"/cpp/_cuda*.so >/dev/null 2>&1; then cp "$build"/cpp/_cuda*.so jax_kernels/; else rm -f jax_kernels/_cuda*.so; fi

@@ -38,7 +38,7 @@ if [ -z "${SKIP_CONV_CHECKS:-}" ]; then  # the conv kernels alone against a floa
   start=$(date +%s)
   for tool in implicit_gemm_check conv_direct_check; do
     cmake --build build/gpu --target "$tool" -j "$(nproc)" >/dev/null 2>&1 &&
-      "build/gpu/$tool" 2>&1 | tee "$OUT/$tool.log" | tail -20
+      "build/gpu/cpp/$tool" 2>&1 | tee "$OUT/$tool.log" | tail -20
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   done
   echo "conv checks: $(( $(date +%s) - start )) s"
