@@ -79,8 +79,9 @@ def roi_align(input: Any, boxes: Any, output_size: int | Sequence[int], spatial_
         allows atomics for float32 and float64. The CPU is always deterministic.
 
     Returns ``[K, C, h, w]``: the mean over each bin's sample grid of the bilinear samples; samples
-    outside ``[-1, H] x [-1, W]`` count as 0. A box whose batch index is not an integer in
-    ``[0, N)`` gives zeros and no gradient. The box gradient is the exact derivative with the
+    outside ``[-1, H] x [-1, W]`` count as 0. The batch index is truncated toward zero, as
+    torchvision does (0.7 reads image 0); a box whose truncated index is not in ``[0, N)``, or
+    whose index is NaN or infinite, gives zeros and no gradient. The box gradient is the exact derivative with the
     adaptive grid held fixed (zero where the size is clamped to 1); the batch-index column gets 0.
     """
     input = as_array("roi_align", "input", input)

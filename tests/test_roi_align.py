@@ -61,15 +61,15 @@ def reference_roi_align(input, rois, output_size, spatial_scale, sampling_ratio,
     documentation: per box, bins of (box size / output size); per bin a grid of sampling_ratio
     (or ceil(box size / output size)) samples per axis at bin fractions (i + 0.5) / grid; bilinear
     samples, 0 outside [-1, size]; the mean over the grid. Box sizes are raised to 1 unless
-    aligned, which instead shifts the box by half a pixel. A batch index that is not an integer
-    in [0, N) gives zeros."""
+    aligned, which instead shifts the box by half a pixel. The batch index is truncated toward zero
+    (torchvision's int cast); one outside [0, N) after that, NaN or infinite gives zeros."""
     n_images, channels, height, width = input.shape
     ph_count, pw_count = output_size
     outputs = []
     for k in range(rois.shape[0]):
         batch = float(rois[k, 0].detach())
         zero = torch.zeros(channels, ph_count, pw_count, dtype=input.dtype) + 0 * rois[k].sum()
-        if not (0 <= batch < n_images and batch == int(batch)):
+        if not (-1 < batch < n_images):  # torchvision truncates the index toward zero
             outputs.append(zero)
             continue
         offset = 0.5 if aligned else 0.0
@@ -307,15 +307,35 @@ def test_random_problems_match_reference(problem):
 def test_invalid_batch_index_gives_zeros_and_no_gradient():
     x, _ = inputs()
     good = [0, 1.5, 2.5, 7.5, 8.5]
-    bad = [[-1, *good[1:]], [2, *good[1:]], [0.5, *good[1:]], [np.nan, *good[1:]],
-           [np.inf, *good[1:]], [-0.0, *good[1:]]]
+    bad = [[-1, *good[1:]], [2, *good[1:]], [2.3, *good[1:]], [np.nan, *good[1:]],
+           [np.inf, *good[1:]], [-1.5, *good[1:]]]
     boxes = jnp.asarray([good] + bad)
     out = jk.roi_align(x, boxes, 2, 1.0, 2)
-    assert np.all(np.asarray(out[1:6]) == 0)
-    assert_close(out[6], reference(x, boxes[6:], 2, 1.0, 2)[0])  # -0.0 is image 0
+    assert np.all(np.asarray(out[1:]) == 0)
     d_input, d_boxes = jax.grad(lambda x, b: jnp.sum(jk.roi_align(x, b, 2, 1.0, 2)),
-                                argnums=(0, 1))(x, boxes[1:6])
+                                argnums=(0, 1))(x, boxes[1:])
     assert np.all(np.asarray(d_input) == 0) and np.all(np.asarray(d_boxes) == 0)
+
+
+def test_batch_index_is_truncated_toward_zero_as_torchvision():
+    x, _ = inputs()
+    coords = [1.5, 2.5, 7.5, 8.5]
+    indices = [0.7, -0.5, -0.0, 1.99, 1.0]  # images 0, 0, 0, 1, 1
+    boxes = jnp.asarray([[i, *coords] for i in indices])
+    images = [0, 0, 0, 1, 1]
+    out = jk.roi_align(x, boxes, 2, 1.0, 2)
+    expected = jk.roi_align(x, jnp.asarray([[i, *coords] for i in images], x.dtype), 2, 1.0, 2)
+    assert_close(out, expected, jnp.float64)
+    if torchvision is not None:
+        tv = torchvision.ops.roi_align(torch.from_numpy(to_numpy64(x)),
+                                       torch.from_numpy(to_numpy64(boxes)), 2, 1.0, 2)
+        assert_close(out, tv.numpy(), jnp.float64)
+    # [K, 5] boxes pass check_grads where a nudged index truncates to the same image (every
+    # index of image 0, and fractional ones): the index column's derivative is 0, as the finite
+    # differences see. (An integral index n >= 1 sits on a step of the truncation: n - eps reads
+    # image n - 1, there and in torchvision, so no finite difference holds across it.)
+    off_the_steps = jnp.asarray([[i, *coords] for i in (0.0, 0.7, -0.5, 1.5, 1.25)])
+    check_grads(lambda x, b: jk.roi_align(x, b, 2, 1.0, 2), (x, off_the_steps), order=1)
 
 
 def test_nonfinite_and_huge_coordinates_are_defined_and_fast():

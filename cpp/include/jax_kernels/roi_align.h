@@ -182,14 +182,14 @@ struct RoiBox {
   A count;  // samples per bin, at least 1: the output is their sum over count
 };
 
-// Image read by box k whose batch-index column holds `batch`: -1 unless `batch` is an integer in
-// [0, batching.images) and the image exists.
+// Image read by box k whose batch-index column holds `batch`: torchvision's int(batch), the
+// value truncated toward zero (0.7 -> 0, -0.5 -> 0), if that lies in [0, batching.images) and the
+// image exists; else -1 (NaN and infinities too).
 template <class A>
 JK_HD int64_t roi_image(A batch, int64_t k, const RoiAlignProblem& p) {
   if (p.H <= 0 || p.W <= 0) return -1;  // nothing to sample
-  if (!(batch >= A(0) && batch < A(p.batching.images))) return -1;
-  const int64_t index = int64_t(batch);
-  if (A(index) != batch) return -1;
+  if (!(batch > A(-1) && batch < A(p.batching.images))) return -1;
+  const int64_t index = int64_t(batch);  // truncation toward zero, in range by the test above
   const int64_t image = index + p.batching.image_offset(k);
   return image < p.N ? image : -1;
 }
