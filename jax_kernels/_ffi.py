@@ -17,7 +17,14 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from . import _cpu
+try:
+    from . import _cpu
+except ImportError as error:  # e.g. the source tree imported in place of an installed package
+    raise ImportError(
+        f"jax_kernels: the native module jax_kernels._cpu is not built next to {__file__}. "
+        "If jax_kernels is installed (pip install .), you are importing the source tree instead: "
+        "run from another directory, or install in editable mode (pip install -e .); for a "
+        "development build in place: tools/build_inplace.sh") from error
 
 try:
     from . import _cuda

@@ -168,3 +168,21 @@ def test_an_exception_in_a_worker_chunk_is_a_clean_error(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith("ok") or last.startswith("error JaxRuntimeError"), last
+
+
+def test_source_tree_without_native_module_says_so(tmp_path):
+    """Importing a copy of the package whose native module is not built (the source tree next
+    to a non-editable install) names the missing module and what to do, not a circular import."""
+    import pathlib
+    import shutil
+    import subprocess
+    import sys
+
+    package = pathlib.Path(jk.__file__).parent
+    shutil.copytree(package, tmp_path / "jax_kernels",
+                    ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__"))
+    result = subprocess.run([sys.executable, "-c", "import jax_kernels"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "jax_kernels._cpu is not built" in result.stderr
+    assert "circular import" not in result.stderr.splitlines()[-1]
