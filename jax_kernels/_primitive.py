@@ -26,6 +26,8 @@ from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from . import _sharding
+
 UndefinedPrimal = ad.UndefinedPrimal
 
 
@@ -91,17 +93,24 @@ class Kernel:
         tangents may be symbolic zeros (``is_zero``).
       transpose: ``transpose(cotangent, *operands, **params) -> list`` with one cotangent (or
         None) per operand; the linear operands are ``UndefinedPrimal`` (``is_linear``).
+      sharding: ``sharding(*avals, **params) -> _sharding.Spec`` (or None: not partitioned):
+        how the pass partitions under sharded ``jit`` (see ``_sharding``).
     Params must be hashable.
     """
 
     def __init__(self, name: str, *, shape: Callable, emit: Callable, batch: Callable,
-                 jvp: Callable, transpose: Callable | None = None) -> None:
+                 jvp: Callable, transpose: Callable | None = None,
+                 sharding: Callable | None = None) -> None:
         self.name = name
         self.primitive = Primitive(name)
         self._shape = shape
         self.primitive.def_abstract_eval(self._abstract_eval)
         self.primitive.def_impl(self._eager)
-        mlir.register_lowering(self.primitive, mlir.lower_fun(emit, multiple_results=False))
+        self._emit = emit
+        self._sharding = sharding
+        if sharding is not None:
+            _sharding.requires_devices(self.primitive)
+        mlir.register_lowering(self.primitive, self._lowering)
         batching.primitive_batchers[self.primitive] = self._batch_rule
         ad.primitive_jvps[self.primitive] = self._jvp_rule
         if transpose is not None:
@@ -120,6 +129,15 @@ class Kernel:
     def _abstract_eval(self, *avals: Any, **params: Any) -> ShapedArray:
         shape, dtype = self._shape(*avals, **params)
         return ShapedArray(tuple(shape), dtype)
+
+    def _lowering(self, ctx, *operands, **params):
+        if self._sharding is not None and _sharding.partitionable(ctx):
+            spec = self._sharding(*ctx.avals_in, **params)
+            if spec is not None:
+                function = _sharding.partitioned(self._emit, params, ctx.avals_in,
+                                                 ctx.avals_out[0], spec)
+                return mlir.lower_fun(function, multiple_results=False)(ctx, *operands)
+        return mlir.lower_fun(self._emit, multiple_results=False)(ctx, *operands, **params)
 
     def _eager(self, *operands: Any, **params: Any) -> jax.Array:
         return _compiled(self, tuple(sorted(params.items())))(*operands)

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi
+from . import _sharding as _partition
 from ._checks import as_array, check_float_dtypes
 from ._primitive import Kernel, add, aval, is_linear, is_zero
 
@@ -509,16 +510,42 @@ def _bgrad_batched(batch, operands, in_batched):
     return _BGRAD(dy), True
 
 
+# --- partitioning under sharded jit: the batch stays sharded, the weights are replicated; the
+# weight and bias gradients of a sharded batch are local passes summed over the shards.
+_N = frozenset({"n"})
+_X, _W, _Y = ("n", "c", "h", "w"), ("k", "cg", "r", "s"), ("n", "k", "p", "q")
+
+
+def _forward_sharding(x, w, b, *, conv):
+    return _partition.Spec((_X, _W, ("kb",)), _Y, _N)
+
+
+def _dgrad_sharding(dy, w, *, conv, input_hw):
+    return _partition.Spec((_Y, _W), _X, _N)
+
+
+def _wgrad_sharding(dy, x, *, conv, kernel_rs):
+    return _partition.Spec((_Y, _X), _W, _N)
+
+
+def _bgrad_sharding(dy):
+    if dy.ndim == 5:  # [B, N, K, P, Q] -> [B, K]
+        return _partition.Spec((("b",) + _Y,), ("b", "k"), frozenset({"b", "n"}))
+    return _partition.Spec((_Y,), ("k",), _N)
+
+
 _FWD = Kernel("jk_conv2d_fwd", shape=_forward_shape, emit=_forward_emit, batch=_forward_batched,
-              jvp=_forward_jvp, transpose=_forward_transpose)
+              jvp=_forward_jvp, transpose=_forward_transpose, sharding=_forward_sharding)
 _DGRAD = Kernel("jk_conv2d_bwd_input", shape=_dgrad_shape, emit=_dgrad_emit,
-                batch=_dgrad_batched, jvp=_dgrad_jvp, transpose=_dgrad_transpose)
+                batch=_dgrad_batched, jvp=_dgrad_jvp, transpose=_dgrad_transpose,
+                sharding=_dgrad_sharding)
 _WGRAD = Kernel("jk_conv2d_bwd_weight", shape=_wgrad_shape, emit=_wgrad_emit,
-                batch=_wgrad_batched, jvp=_wgrad_jvp, transpose=_wgrad_transpose)
+                batch=_wgrad_batched, jvp=_wgrad_jvp, transpose=_wgrad_transpose,
+                sharding=_wgrad_sharding)
 _BGRAD = Kernel("jk_conv2d_bwd_bias", shape=_bgrad_shape, emit=_bgrad_emit,
                 batch=_bgrad_batched,
                 jvp=lambda primals, tangents: None if is_zero(tangents[0]) else _BGRAD(tangents[0]),
-                transpose=_bgrad_transpose)
+                transpose=_bgrad_transpose, sharding=_bgrad_sharding)
 _BIAS = Kernel("jk_conv2d_bias", shape=_bias_shape, emit=_bias_emit, batch=_bias_batched,
                jvp=lambda primals, tangents, **p: None if is_zero(tangents[0])
                else _BIAS(tangents[0], **p),

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi
+from . import _sharding as _partition
 from ._checks import as_array, check_float_dtypes
 from ._primitive import Kernel, add, aval, is_linear, is_zero, replaced, without
 
@@ -385,12 +386,70 @@ def _ffi_attributes(attrs: _Attrs, maps) -> dict[str, Any]:
     )
 
 
+# --- partitioning under sharded jit: the batch and the channels stay sharded, and so do the
+# output points of the forward and the grid gradient (each point is computed alone); the input
+# gradient sums over the points and the grid gradient over the channels. Operands reused
+# through batch maps (vmap) are replicated.
+
+
+def _dims(rank: int, prefix: str) -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}" for i in range(rank))
+
+
+def _batch_factors(maps, count: int) -> tuple[tuple[str, ...], frozenset[str]]:
+    """The batch factor of each of `count` tensors (operands, then the result): one shared
+    factor when no operand is reused through its map, else one replicated factor each."""
+    if all(repeat == 1 for repeat, _ in maps):
+        return ("n",) * count, frozenset({"n"})
+    return tuple(f"n{i}" for i in range(count)), frozenset()
+
+
+def _local_maps(operands, params, shape, offsets):
+    """The parameters of a per-shard call: identity maps of the local batch (a reused operand
+    is replicated: its map stays), the local input gradient's cells."""
+    params = dict(params)
+    if all(repeat == 1 for repeat, _ in params["maps"]):
+        params["maps"] = tuple(_identity_map(x.shape[0]) for x in operands)
+    if "cells_shape" in params:
+        params["cells_shape"] = tuple(shape[1:])
+    return operands, params
+
+
+def _gather_sharding(input, grid, *dirs, attrs, maps):
+    n, free = _batch_factors(maps, 3 + len(dirs))
+    s, o = _dims(input.ndim - 2, "s"), _dims(grid.ndim - 2, "o")
+    points = o + ("g",)
+    return _partition.Spec(((n[0], "c") + s, (n[1],) + points)
+                           + tuple((n[2 + j],) + points for j in range(len(dirs))),
+                           (n[-1], "c") + o, free | {"c"} | set(o), local=_local_maps)
+
+
+def _scatter_sharding(dout, grid, *dirs, attrs, maps, cells_shape):
+    n, free = _batch_factors(maps, 3 + len(dirs))
+    s, o = _dims(len(cells_shape) - 1, "s"), _dims(grid.ndim - 2, "o")
+    points = o + ("g",)
+    return _partition.Spec(((n[0], "c") + o, (n[1],) + points)
+                           + tuple((n[2 + j],) + points for j in range(len(dirs))),
+                           (n[-1], "c") + s, free | {"c"} | set(o), local=_local_maps)
+
+
+def _reduce_sharding(dout, input, grid, *dirs, attrs, maps):
+    if _nearest(attrs):  # zeros, no kernel
+        return None
+    n, free = _batch_factors(maps, 4 + len(dirs))
+    s, o = _dims(input.ndim - 2, "s"), _dims(grid.ndim - 2, "o")
+    points = o + ("g",)
+    return _partition.Spec(((n[0], "c") + o, (n[1], "c") + s, (n[2],) + points)
+                           + tuple((n[3 + j],) + points for j in range(len(dirs))),
+                           (n[-1],) + points, free | {"c"} | set(o), local=_local_maps)
+
+
 _GATHER = Kernel("jk_grid_sample_gather", shape=_gather_shape, emit=_gather_emit,
                  batch=lambda *a, **p: _batched(_GATHER)(*a, **p), jvp=_gather_jvp,
-                 transpose=_gather_transpose)
+                 transpose=_gather_transpose, sharding=_gather_sharding)
 _SCATTER = Kernel("jk_grid_sample_scatter", shape=_scatter_shape, emit=_scatter_emit,
                   batch=lambda *a, **p: _batched(_SCATTER)(*a, **p), jvp=_scatter_jvp,
-                  transpose=_scatter_transpose)
+                  transpose=_scatter_transpose, sharding=_scatter_sharding)
 _REDUCE = Kernel("jk_grid_sample_reduce", shape=_reduce_shape, emit=_reduce_emit,
                  batch=lambda *a, **p: _batched(_REDUCE)(*a, **p), jvp=_reduce_jvp,
-                 transpose=_reduce_transpose)
+                 transpose=_reduce_transpose, sharding=_reduce_sharding)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi
+from . import _sharding as _partition
 from ._checks import as_array, check_float_dtypes, is_python_scalar
 from ._primitive import Kernel, add, aval, instantiate, is_linear, is_zero
 
@@ -95,6 +96,17 @@ def _emit(target):
         attrs = {} if weight is None else {"weight": np.float64(weight)}
         return _ffi.call(target, jax.ShapeDtypeStruct(shape, dtype), *operands, **attrs)
     return emit
+
+
+def _sharding(*operands, shape, dtype, weight=None):
+    """Elementwise: every axis of the output may stay sharded, with the operands' axes that
+    match it (their broadcast size-1 axes are their own, replicated)."""
+    result = tuple(f"d{i}" for i in range(len(shape)))
+    return _partition.Spec(
+        tuple(tuple(f"d{i}" if n == shape[i] else f"x{j}_{i}" for i, n in enumerate(x.shape))
+              for j, x in enumerate(operands)),
+        result, frozenset(result), local=lambda ops, params, local_shape, offsets:
+        (ops, dict(params, shape=local_shape)))
 
 
 def _batch(kernel):
@@ -222,13 +234,15 @@ def _scalar_linear(name):
                          weight=weight)]
 
     kernel = Kernel(name, shape=_shape_rule, emit=_emit(name),
-                    batch=lambda *a, **p: _batch(kernel)(*a, **p), jvp=jvp, transpose=transpose)
+                    batch=lambda *a, **p: _batch(kernel)(*a, **p), jvp=jvp, transpose=transpose,
+                    sharding=_sharding)
     return kernel
 
 
 def _kernel(name, jvp, transpose):
     kernel = Kernel(name, shape=_shape_rule, emit=_emit(name),
-                    batch=lambda *a, **p: _batch(kernel)(*a, **p), jvp=jvp, transpose=transpose)
+                    batch=lambda *a, **p: _batch(kernel)(*a, **p), jvp=jvp, transpose=transpose,
+                    sharding=_sharding)
     return kernel
 
 

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from . import _ffi
+from . import _sharding as _partition
 from ._checks import as_array, bit_width
 from ._primitive import Kernel, aval, is_zero
 
@@ -92,6 +93,27 @@ def _emit_sum(dout, *, repeats, shape, batch):
     return _ffi.call("jk_repeat_bwd", dx, dout, repeats=np.asarray(repeats, dtype=np.int64))
 
 
+def _sharding(small, large, repeats, batch, backward):
+    """Batch axes and axes repeated once stay sharded; repeated and new axes are replicated.
+    `small` is the operand of the forward, `large` its result (the other way round backward)."""
+    lead = len(repeats) - (small.ndim - batch)
+    s, l = [f"b{i}" for i in range(batch)], [f"b{i}" for i in range(batch)]
+    l += [f"new{j}" for j in range(lead)]
+    free = set(s)
+    for j, r in enumerate(repeats[lead:]):
+        if r == 1:
+            s.append(f"d{j}"), l.append(f"d{j}"), free.add(f"d{j}")
+        else:
+            s.append(f"x{j}"), l.append(f"y{j}")
+    if backward:
+        return _partition.Spec((tuple(l),), tuple(s), frozenset(free), local=_local_sum)
+    return _partition.Spec((tuple(s),), tuple(l), frozenset(free))
+
+
+def _local_sum(operands, params, shape, offsets):
+    return operands, dict(params, shape=shape[params["batch"]:])
+
+
 def _batch_rule(kernel):
     def rule(axis_size, operands, batched, **params):
         (operand,) = operands
@@ -105,6 +127,7 @@ _tile = Kernel(
     jvp=lambda primals, tangents, **p: None if is_zero(tangents[0]) else _tile(tangents[0], **p),
     transpose=lambda ct, x, *, repeats, batch: [
         _sum(ct, repeats=repeats, shape=tuple(aval(x).shape[batch:]), batch=batch)],
+    sharding=lambda x, *, repeats, batch: _sharding(x, None, repeats, batch, False),
 )
 
 _sum = Kernel(
@@ -112,4 +135,6 @@ _sum = Kernel(
     batch=lambda *a, **p: _batch_rule(_sum)(*a, **p),
     jvp=lambda primals, tangents, **p: None if is_zero(tangents[0]) else _sum(tangents[0], **p),
     transpose=lambda ct, dout, *, repeats, shape, batch: [_tile(ct, repeats=repeats, batch=batch)],
+    sharding=lambda dout, *, repeats, shape, batch: _sharding(
+        jax.ShapeDtypeStruct(dout.shape[:batch] + shape, dout.dtype), dout, repeats, batch, True),
 )

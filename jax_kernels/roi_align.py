@@ -16,6 +16,7 @@ the wrapper drops it.
 
 from __future__ import annotations
 
+import functools
 import numbers
 import operator
 from typing import Any, NamedTuple, Sequence
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi
+from . import _sharding as _partition
 from ._checks import as_array, check_float_dtypes
 from ._primitive import Kernel, add, aval, is_linear, is_zero, replaced, without
 
@@ -431,9 +433,62 @@ def _reduce_batched(axis_size, operands, in_batched, *, attrs, batching):
     return d_boxes.reshape((axis_size, rows, 5)), True
 
 
+# --- partitioning under sharded jit ---------------------------------------------------------
+# The channels and the boxes (K) stay sharded with no communication. Images (N) stay sharded too:
+# each shard pools the boxes of its own images (batch indices shifted by the shard's first image,
+# after truncation, so that every box belongs to exactly one shard) and the partial results are
+# added: the output (and the box gradient) with one reduction of its size, while the input
+# gradient comes back sharded like the input. Under vmap (batching terms that depend on the
+# global box and image numbers) only the channels stay sharded.
+_IMAGE, _BOXES = ("n", "c", "h", "w"), ("k", "f")
+
+
+def _roi_sharding(operands, result, batching, boxes_at, input_at):
+    free = {"c"} if batching.terms else {"n", "c", "k"}
+    local = functools.partial(_local_shard, boxes_at=boxes_at, input_at=input_at)
+    return _partition.Spec(operands, result, frozenset(free), local=local,
+                           offsets=frozenset({"n"}))
+
+
+def _local_shard(operands, params, shape, offsets, *, boxes_at, input_at):
+    """A shard's call: the boxes of its own images. `input_at`: the input operand (None: the
+    result is the input gradient, of local shape `shape`)."""
+    if params["batching"].terms:
+        return operands, params
+    if input_at is None:
+        params["shape"] = tuple(shape)
+        images = shape[0]
+    else:
+        images = operands[input_at].shape[0]
+    params["batching"] = _Batching(images)
+    if "n" in offsets:
+        boxes = operands[boxes_at]
+        first = offsets["n"].astype(boxes.dtype)
+        operands = replaced(operands, boxes_at, boxes.at[:, 0].set(jnp.trunc(boxes[:, 0]) - first))
+    return operands, params
+
+
+def _gather_sharding(input, boxes, *dirs, attrs, batching):
+    return _roi_sharding((_IMAGE, _BOXES) + (_BOXES,) * len(dirs), ("k", "c", "ph", "pw"),
+                         batching, boxes_at=1, input_at=0)
+
+
+def _scatter_sharding(dout, boxes, *dirs, attrs, batching, shape):
+    return _roi_sharding((("k", "c", "ph", "pw"), _BOXES) + (_BOXES,) * len(dirs), _IMAGE,
+                         batching, boxes_at=1, input_at=None)
+
+
+def _reduce_sharding(dout, input, boxes, *dirs, attrs, batching):
+    return _roi_sharding((("k", "c", "ph", "pw"), _IMAGE, _BOXES) + (_BOXES,) * len(dirs),
+                         _BOXES, batching, boxes_at=2, input_at=1)
+
+
 _GATHER = Kernel("jk_roi_align_gather", shape=_gather_shape, emit=_gather_emit,
-                 batch=_gather_batched, jvp=_gather_jvp, transpose=_gather_transpose)
+                 batch=_gather_batched, jvp=_gather_jvp, transpose=_gather_transpose,
+                 sharding=_gather_sharding)
 _SCATTER = Kernel("jk_roi_align_scatter", shape=_scatter_shape, emit=_scatter_emit,
-                  batch=_scatter_batched, jvp=_scatter_jvp, transpose=_scatter_transpose)
+                  batch=_scatter_batched, jvp=_scatter_jvp, transpose=_scatter_transpose,
+                  sharding=_scatter_sharding)
 _REDUCE = Kernel("jk_roi_align_reduce", shape=_reduce_shape, emit=_reduce_emit,
-                 batch=_reduce_batched, jvp=_reduce_jvp, transpose=_reduce_transpose)
+                 batch=_reduce_batched, jvp=_reduce_jvp, transpose=_reduce_transpose,
+                 sharding=_reduce_sharding)
