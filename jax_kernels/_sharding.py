@@ -95,10 +95,12 @@ def partitioned(emit: Callable, params: dict[str, Any], in_avals, out_aval, spec
     def assign(mesh, operand_shardings, result_sharding) -> dict[str, tuple[str, ...]]:
         """factor -> the mesh axes it stays sharded on."""
         chosen: dict[str, tuple[str, ...]] = {}
+        if mesh is None:
+            return chosen
         used: set[str] = set()
         sources = list(zip(spec.operands, operand_shardings)) + [(spec.result, result_sharding)]
         for factors, sharding in sources:
-            for f, axes in zip(factors, _axes(sharding, len(factors))):
+            for f, axes in zip(factors, _axes(sharding, mesh, len(factors))):
                 if f not in spec.free or f in chosen or not axes or used & set(axes):
                     continue
                 if sizes[f] % math.prod(mesh.shape[a] for a in axes):
@@ -108,6 +110,8 @@ def partitioned(emit: Callable, params: dict[str, Any], in_avals, out_aval, spec
         return chosen
 
     def named(mesh, factors, chosen) -> NamedSharding:
+        if mesh is None:
+            raise ValueError("no mesh")
         entries = []
         for f in factors:
             axes = chosen.get(f)
@@ -115,23 +119,28 @@ def partitioned(emit: Callable, params: dict[str, Any], in_avals, out_aval, spec
         return NamedSharding(mesh, PartitionSpec(*entries))
 
     def infer(mesh, arg_shapes, result_shape):
-        if not _all_named(arg_shapes):
-            return _replicated_like(arg_shapes)
-        chosen = assign(mesh, [a.sharding for a in arg_shapes], None)
-        return named(mesh, spec.result, chosen)
+        # An exception in a partitioner callback aborts the process (XLA CHECK-fails): any
+        # failure here falls back to a replicated result, which is always correct.
+        mesh = _mesh_of(mesh, arg_shapes)
+        try:
+            chosen = assign(mesh, [a.sharding for a in arg_shapes], None)
+            return named(mesh, spec.result, chosen)
+        except Exception:  # noqa: BLE001 (see above)
+            return _replicated(mesh, arg_shapes)
 
     def partition(mesh, arg_shapes, result_shape):
-        if not _all_named(arg_shapes + (result_shape,)):
-            replicated = _replicated_like(arg_shapes)
+        mesh = _mesh_of(mesh, tuple(arg_shapes) + (result_shape,))
+        try:
+            chosen = assign(mesh, [a.sharding for a in arg_shapes], result_shape.sharding)
+            result_sharding = named(mesh, spec.result, chosen)
+            arg_shardings = tuple(named(mesh, f, chosen) for f in spec.operands)
+            local_shape = tuple(
+                n // math.prod(mesh.shape[a] for a in chosen.get(f, ()))
+                for f, n in zip(spec.result, out_aval.shape))
+        except Exception:  # noqa: BLE001 (see infer)
+            replicated = _replicated(mesh, arg_shapes)
             return (mesh, lambda *ops: emit(*ops, **params), replicated,
                     tuple(replicated for _ in arg_shapes))
-        mesh = arg_shapes[0].sharding.mesh
-        chosen = assign(mesh, [a.sharding for a in arg_shapes], result_shape.sharding)
-        result_sharding = named(mesh, spec.result, chosen)
-        arg_shardings = tuple(named(mesh, f, chosen) for f in spec.operands)
-        local_shape = tuple(
-            n // math.prod(mesh.shape[a] for a in chosen.get(f, ()))
-            for f, n in zip(spec.result, out_aval.shape))
         summed = tuple(a for f in sorted(sums) if f in chosen for a in chosen[f])
 
         def per_shard(*operands):
@@ -168,10 +177,10 @@ def _rule_string(spec: Spec) -> str:
     return ", ".join(tensor(f) for f in spec.operands) + " -> " + tensor(spec.result)
 
 
-def _axes(sharding: Any, rank: int) -> list[tuple[str, ...]]:
-    """The mesh axes of each dimension of a NamedSharding (empty for replicated dimensions or
-    another kind of sharding)."""
-    if not isinstance(sharding, NamedSharding):
+def _axes(sharding: Any, mesh: Any, rank: int) -> list[tuple[str, ...]]:
+    """The mesh axes of each dimension of a NamedSharding on `mesh` (empty for replicated
+    dimensions, unknown shardings and shardings on another mesh)."""
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.shape != mesh.shape:
         return [()] * rank
     out = []
     for entry in tuple(sharding.spec) + (None,) * (rank - len(sharding.spec)):
@@ -184,13 +193,24 @@ def _axes(sharding: Any, rank: int) -> list[tuple[str, ...]]:
     return out[:rank]
 
 
-def _all_named(shapes) -> bool:
-    return all(isinstance(getattr(s, "sharding", None), NamedSharding) for s in shapes)
+def _mesh_of(mesh: Any, shapes) -> Any:
+    """The mesh the callbacks get, else the mesh of a named operand sharding, else None."""
+    if mesh is not None and not getattr(mesh, "empty", True):
+        return mesh
+    for shape in shapes:
+        sharding = getattr(shape, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return sharding.mesh
+    return None
 
 
-def _replicated_like(shapes):
-    """A replicated sharding on the devices of the first operand's sharding."""
-    sharding = shapes[0].sharding
-    if isinstance(sharding, NamedSharding):
-        return NamedSharding(sharding.mesh, PartitionSpec())
-    return sharding.with_spec(PartitionSpec()) if hasattr(sharding, "with_spec") else sharding
+def _replicated(mesh: Any, shapes) -> Any:
+    """A replicated sharding: on `mesh`, else on the devices of an operand's sharding."""
+    if mesh is not None:
+        return NamedSharding(mesh, PartitionSpec())
+    from jax._src.sharding_impls import GSPMDSharding  # no mesh: the partitioner's own kind
+    for shape in shapes:
+        sharding = getattr(shape, "sharding", None)
+        if sharding is not None:
+            return GSPMDSharding.get_replicated(sharding._device_assignment)
+    raise ValueError("jax_kernels: no sharding to partition by")
