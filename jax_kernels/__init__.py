@@ -2,6 +2,7 @@
 as CUDA and C++ kernels registered with XLA through the typed FFI (and affine_grid, in jnp)."""
 
 from ._capabilities import capabilities
+from ._export import disabled_export_checks
 from .affine_grid import affine_grid
 from .conv import conv2d
 from .grid_sample import grid_sample
@@ -9,5 +10,5 @@ from .lerp import lerp
 from .repeat import repeat
 from .roi_align import roi_align
 
-__all__ = ["affine_grid", "capabilities", "conv2d", "grid_sample", "lerp", "repeat", "roi_align"]
+__all__ = ["affine_grid", "capabilities", "conv2d", "disabled_export_checks", "grid_sample", "lerp", "repeat", "roi_align"]
 __version__ = "0.1.0"

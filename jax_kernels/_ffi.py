@@ -38,27 +38,46 @@ CUDA_BUILT = _cuda is not None
 ENUMS: dict[str, dict[str, int]] = {name: dict(codes) for name, codes in _cpu.enums.items()}
 
 
+#: The version of every FFI target, part of its registered name (``jk_lerp_fwd_v1``): programs
+#: serialized with ``jax.export`` name the targets they call, and a target keeps its name, its
+#: attributes and its semantics for the whole major version of the package. A change to any of
+#: them registers a new version next to the old one (XLA's typed FFI has no optional
+#: attributes, so an attribute is never added to an existing version).
+TARGET_VERSION = 1
+
+
+def target_name(name: str) -> str:
+    """The registered name of the target of pass ``name`` (e.g. ``jk_lerp_fwd``)."""
+    return f"{name}_v{TARGET_VERSION}"
+
+
 def _register() -> None:
     cpu_targets = _cpu.registrations()
     for name, capsule in cpu_targets.items():
-        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+        jax.ffi.register_ffi_target(target_name(name), capsule, platform="cpu")
     if _cuda is not None:
         for name, capsule in _cuda.registrations().items():
-            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+            jax.ffi.register_ffi_target(target_name(name), capsule, platform="CUDA")
     else:
         missing = _cpu.cuda_module_missing_handler()
         for name in cpu_targets:
-            jax.ffi.register_ffi_target(name, missing, platform="CUDA")
+            jax.ffi.register_ffi_target(target_name(name), missing, platform="CUDA")
 
 
 _register()
 
 
+def targets() -> list[str]:
+    """The registered names of every target (on every platform)."""
+    return sorted(target_name(name) for name in _cpu.registrations())
+
+
 def records() -> dict[str, list[tuple[str, str, str, str, str]]]:
-    """Per platform, the (target, op, pass, backend, determinism) records of the built targets."""
-    out = {"cpu": list(_cpu.records())}
+    """Per platform, the (registered target, op, pass, backend, determinism) records of the
+    built targets."""
+    out = {"cpu": [(target_name(r[0]),) + tuple(r[1:]) for r in _cpu.records()]}
     if _cuda is not None:
-        out["cuda"] = list(_cuda.records())
+        out["cuda"] = [(target_name(r[0]),) + tuple(r[1:]) for r in _cuda.records()]
     return out
 
 
@@ -85,7 +104,8 @@ def call(
     dimensions as batch (or broadcast) dimensions; ``None`` for calls whose op batches them
     with its own rule.
     """
-    return jax.ffi.ffi_call(target, results, vmap_method=vmap_method)(*args, **attributes)
+    return jax.ffi.ffi_call(target_name(target), results, vmap_method=vmap_method)(
+        *args, **attributes)
 
 
 def call_with_cuda_scratch(

@@ -19,7 +19,8 @@ from jk_testing import TORCH_UNAVAILABLE, torch
 def test_same_targets_on_every_platform():
     records = _ffi.records()
     cpu_targets = {r[0] for r in records["cpu"]}
-    assert {"jk_lerp_fwd", "jk_repeat_fwd", "jk_repeat_bwd"} <= cpu_targets
+    assert {"jk_lerp_fwd_v1", "jk_repeat_fwd_v1", "jk_repeat_bwd_v1"} <= cpu_targets
+    assert sorted(cpu_targets) == _ffi.targets()
     if _ffi.CUDA_BUILT:
         assert {r[0] for r in records["cuda"]} == cpu_targets
     else:
