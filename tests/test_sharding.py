@@ -24,8 +24,10 @@ CPUS = jax.devices("cpu")
 pytestmark = pytest.mark.skipif(len(CPUS) < 8, reason="needs 8 CPU devices "
                                 "(XLA_FLAGS=--xla_force_host_platform_device_count=8)")
 
-_COLLECTIVE = re.compile(r"= \w+\[([\d,]*)\][^ ]* (all-gather|all-reduce|all-to-all|"
-                         r"collective-permute|reduce-scatter)(?:-start)?\(")
+# An HLO instruction "name = <type> <collective>(...)"; the type may be a tuple (combined
+# collectives), each of whose shapes is counted.
+_COLLECTIVE = re.compile(r"= (.*?) (all-gather|all-reduce|all-to-all|collective-permute|"
+                         r"reduce-scatter)(?:-start)?\(")
 
 
 def mesh(*shape: int, names=("batch",)) -> Mesh:
@@ -39,8 +41,11 @@ def put(x, mesh_: Mesh, *spec):
 def collectives(fn, *args, **jit_kwargs) -> list[tuple[str, int]]:
     """(kind, elements) of every collective in the compiled program of jit(fn)(*args)."""
     text = jax.jit(fn, **jit_kwargs).lower(*args).compile().as_text()
-    return [(kind, int(np.prod([int(d) for d in dims.split(",") if d])))
-            for dims, kind in _COLLECTIVE.findall(text)]
+    found = []
+    for types, kind in _COLLECTIVE.findall(text):
+        for dims in re.findall(r"\w+\[([\d,]*)\]", types):
+            found.append((kind, int(np.prod([int(d) for d in dims.split(",") if d]))))
+    return found
 
 
 def assert_no_gather(found, reduce_limit: int = 0) -> None:
