@@ -87,7 +87,10 @@ def test_exported_program_runs_in_a_fresh_process(tmp_path):
 def test_export_of_a_sharded_program():
     """A program exported for 8 devices runs with its shardings; exported ops are partitioned
     by XLA's default (the partitioning rules' callbacks cannot be serialized: docs/scaling.md)."""
-    devices = jax.devices("cpu")
+    try:
+        devices = jax.devices("cpu")
+    except RuntimeError:  # JAX_PLATFORMS without cpu
+        devices = []
     if len(devices) < 8:
         pytest.skip("needs 8 CPU devices")
     mesh = jax.sharding.Mesh(np.array(devices[:8]), ("batch",))

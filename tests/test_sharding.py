@@ -1,5 +1,5 @@
-"""Partitioning under sharded jit, shard_map and meshes with explicit axes, on 8 CPU devices
-(conftest.py asks XLA for them before jax starts).
+"""Partitioning under sharded jit, shard_map and meshes with explicit axes, on the accelerators
+where there are several, else on 8 CPU devices (conftest.py asks XLA for them before jax starts).
 
 Every test compares with the same function on one device (float64: equal to rounding) and reads
 the compiled program's collectives: a batch-sized operand is never all-gathered, and the only
@@ -20,8 +20,24 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_kernels as jk
 from jk_testing import random
 
-CPUS = jax.devices("cpu")
-pytestmark = pytest.mark.skipif(len(CPUS) < 8, reason="needs 8 CPU devices "
+
+
+def _devices() -> list:
+    """8, 4 or 2 accelerators where there are several, else 8 CPU devices."""
+    accelerators = [d for d in jax.devices() if d.platform != "cpu"]
+    try:
+        cpus = jax.devices("cpu")
+    except RuntimeError:  # JAX_PLATFORMS without cpu
+        cpus = []
+    for pool in (accelerators, cpus):
+        for count in (8, 4, 2):
+            if len(pool) >= count:
+                return pool[:count]
+    return []
+
+
+DEVICES = _devices()
+pytestmark = pytest.mark.skipif(not DEVICES, reason="needs 2+ accelerators or 8 CPU devices "
                                 "(XLA_FLAGS=--xla_force_host_platform_device_count=8)")
 
 # An HLO instruction "name = <type> <collective>(...)"; the type may be a tuple (combined
@@ -30,8 +46,8 @@ _COLLECTIVE = re.compile(r"= (.*?) (all-gather|all-reduce|all-to-all|collective-
                          r"reduce-scatter)(?:-start)?\(")
 
 
-def mesh(*shape: int, names=("batch",)) -> Mesh:
-    return Mesh(np.array(CPUS[:int(np.prod(shape))]).reshape(shape), names)
+def mesh() -> Mesh:
+    return Mesh(np.array(DEVICES), ("batch",))
 
 
 def put(x, mesh_: Mesh, *spec):
@@ -79,7 +95,7 @@ def partitioner(request):
 
 
 def test_lerp_and_repeat_stay_sharded(partitioner):
-    m = mesh(8)
+    m = mesh()
     a, b = random(0, (16, 4, 6), jnp.float64), random(1, (16, 4, 6), jnp.float64)
     w = random(2, (1, 4, 6), jnp.float64)  # broadcast over the batch: its gradient is reduced
 
@@ -102,7 +118,7 @@ def test_lerp_and_repeat_stay_sharded(partitioner):
 
 def test_lerp_any_axis(partitioner):
     """Elementwise: a sharded non-batch axis stays sharded too."""
-    m = mesh(8)
+    m = mesh()
     a, b, w = (random(i, (3, 16, 5), jnp.float64) for i in range(3))
     args = [put(x, m, None, "batch") for x in (a, b, w)]
     f = lambda a, b, w: jk.lerp(a, b, w)
@@ -116,7 +132,7 @@ def test_lerp_any_axis(partitioner):
 def test_conv2d_batch_sharded(partitioner, groups):
     """fprop, dgrad, wgrad and the bias gradient on the local batch; the weight and bias
     gradients are reduced once (their own size), the activations never move."""
-    m = mesh(8)
+    m = mesh()
     x = random(0, (16, 8, 10, 9), jnp.float64)
     w = random(1, (8, 8 // groups, 3, 3), jnp.float64)
     b = random(2, (8,), jnp.float64)
@@ -142,7 +158,7 @@ def test_conv2d_batch_sharded(partitioner, groups):
 
 @pytest.mark.parametrize("rank", [4, 5])
 def test_grid_sample_batch_sharded(partitioner, rank):
-    m = mesh(8)
+    m = mesh()
     spatial = (6, 7) if rank == 4 else (4, 5, 6)
     x = random(0, (16, 3) + spatial, jnp.float64)
     grid = random(1, (16,) + (3,) * (rank - 2) + (rank - 2,), jnp.float64, -1.1, 1.1)
@@ -161,7 +177,7 @@ def test_grid_sample_batch_sharded(partitioner, rank):
 def test_grid_sample_channels_and_points_sharded(partitioner):
     """Channels sharded (grid replicated) and output points sharded (input replicated): each
     shard samples alone, with no communication."""
-    m = mesh(8)
+    m = mesh()
     x = random(0, (2, 8, 6, 7), jnp.float64)
     grid = random(1, (2, 8, 5, 2), jnp.float64, -1.1, 1.1)
     f = lambda x, g: jk.grid_sample(x, g, mode="bicubic", align_corners=True)
@@ -193,7 +209,7 @@ def test_roi_align_batch_sharded_features(partitioner):
     """Data-parallel detection: features sharded by image, boxes replicated. Each shard pools
     the boxes of its own images; one reduction of the output's size; the input gradient stays
     sharded by image."""
-    m = mesh(8)
+    m = mesh()
     x = random(0, (8, 4, 12, 13), jnp.float64)
     boxes = _boxes(8)
     args = (put(x, m, "batch"), put(boxes, m))
@@ -213,7 +229,7 @@ def test_roi_align_batch_sharded_features(partitioner):
 
 def test_roi_align_channel_sharded_features(partitioner):
     """Features sharded by channel, boxes replicated: pooling needs no communication."""
-    m = mesh(8)
+    m = mesh()
     x = random(0, (3, 8, 12, 13), jnp.float64)
     boxes = _boxes(3)
     args = (put(x, m, None, "batch"), put(boxes, m))
@@ -231,7 +247,7 @@ def test_roi_align_channel_sharded_features(partitioner):
 
 def test_roi_align_boxes_sharded(partitioner):
     """Boxes sharded, features replicated: each shard pools its own boxes."""
-    m = mesh(8)
+    m = mesh()
     x = random(0, (2, 3, 12, 13), jnp.float64)
     boxes = _boxes(2)[:16]
     args = (put(x, m), put(boxes, m, "batch"))
@@ -244,7 +260,7 @@ def test_roi_align_boxes_sharded(partitioner):
 
 def test_second_order_sharded(partitioner):
     """Hessian-vector products (the directional passes) partition like the first order."""
-    m = mesh(8)
+    m = mesh()
     x = random(0, (8, 2, 6, 7), jnp.float64)
     grid = random(1, (8, 3, 4, 2), jnp.float64, -1.1, 1.1)
     boxes = _boxes(8)
@@ -271,7 +287,7 @@ def test_second_order_sharded(partitioner):
 def test_unservable_shardings_fall_back(partitioner):
     """Shardings a rule cannot keep (spatial axes, batches a mesh axis does not divide, operands
     reused under vmap) are gathered, and the results stay right."""
-    m = mesh(8)
+    m = mesh()
     x = random(0, (2, 3, 8, 16), jnp.float64)
     w = random(1, (4, 3, 3, 3), jnp.float64)
     f = lambda x, w: jk.conv2d(x, w, padding=1)
@@ -319,7 +335,7 @@ def _train_step(params, ema, images, boxes, labels):
 def test_training_step_data_parallel(partitioner):
     """A jitted step over every op with the batch sharded and the weights replicated: no
     all-gather, reductions of weight or pooled-output size only, the one-device results."""
-    m = mesh(8)
+    m = mesh()
     params = _init(jax.random.key(0))
     images = random(1, (16, 3, 12, 12), jnp.float64)
     boxes = jnp.asarray([[i, 1.0, 2.0, 9.0, 10.0] for i in range(16)]
@@ -341,7 +357,7 @@ def test_training_step_data_parallel(partitioner):
 def test_shard_map_per_shard_calls():
     """Inside shard_map each call is the plain per-shard kernel; weight gradients summed with
     the user's psum equal the one-device gradients."""
-    m = mesh(8)
+    m = mesh()
     x = random(0, (16, 3, 8, 8), jnp.float64)
     w = random(1, (4, 3, 3, 3), jnp.float64)
     grid = random(2, (16, 5, 5, 2), jnp.float64)
@@ -366,7 +382,8 @@ def test_explicit_axes_are_correct():
     axis_type = getattr(jax.sharding, "AxisType", None)
     if axis_type is None:
         pytest.skip("this jax has no explicit axes")
-    m = jax.make_mesh((8,), ("batch",), axis_types=(axis_type.Explicit,), devices=CPUS[:8])
+    m = jax.make_mesh((len(DEVICES),), ("batch",), axis_types=(axis_type.Explicit,),
+                      devices=DEVICES)
     x = random(0, (16, 3, 8, 8), jnp.float64)
     w = random(1, (4, 3, 3, 3), jnp.float64)
     args = (put(x, m, "batch"), put(w, m))

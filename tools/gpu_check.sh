@@ -46,7 +46,7 @@ fi
 
 if [ -z "${SKIP_TESTS:-}" ]; then
   start=$(date +%s)
-  JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/tests.xml" "${@:-tests}" \
+  JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/tests.xml" "${@:-tests}" \
     2>&1 | tee "$OUT/tests.log" | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   echo "GPU tests: $(( $(date +%s) - start )) s"
