@@ -262,11 +262,10 @@ def test_cuda_lowering_requests_scratch():
     x, w, b = random(21, (2, 8, 10, 10)), random(22, (8, 1, 3, 3)), random(23, (8,))
     f = jax.grad(lambda x, w, b: jnp.sum(jk.conv2d(x, w, b, padding=1, groups=8) ** 2),
                  argnums=(0, 1, 2))
-    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in TARGETS]
-    text = jax.export.export(jax.jit(f), platforms=("cuda",), disabled_checks=checks)(
-        x, w, b).mlir_module()
+    text = jax.export.export(jax.jit(f), platforms=("cuda",),
+                             disabled_checks=jk.disabled_export_checks())(x, w, b).mlir_module()
     for target in TARGETS[:3]:
-        call = re.search(rf"custom_call @{target}\(.*", text).group(0)
+        call = re.search(rf"custom_call @{_ffi.target_name(target)}\(.*", text).group(0)
         assert re.search(r"-> \(tensor<[0-9x]+xf32>, tensor<\d+xui8>\)", call), call
     assert "stablehlo.while" not in text and "convolution" not in text
 

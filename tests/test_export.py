@@ -100,7 +100,8 @@ def test_export_of_a_sharded_program():
     w = random(1, (3, 2, 3, 3), jnp.float32)
     f = jax.jit(lambda x, w: jk.lerp(jk.conv2d(x, w, padding=1), 0 * x[:, :1], 0.5),
                 in_shardings=(sharded, replicated))
-    exported = export.export(f, disabled_checks=jk.disabled_export_checks())(x, w)
+    exported = export.export(f, platforms=("cpu",),
+                             disabled_checks=jk.disabled_export_checks())(x, w)
     restored = export.deserialize(exported.serialize())
     y = restored.call(jax.device_put(x, sharded), jax.device_put(w, replicated))
     np.testing.assert_allclose(y, 0.5 * jk.conv2d(x, w, padding=1), rtol=1e-6, atol=1e-6)
