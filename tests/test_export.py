@@ -104,6 +104,6 @@ def test_export_of_a_sharded_program():
                              disabled_checks=jk.disabled_export_checks())(x, w)
     restored = export.deserialize(exported.serialize())
     y = restored.call(jax.device_put(x, sharded), jax.device_put(w, replicated))
-    with jax.default_device(devices[0]):  # the same CPU kernels on one device
-        expected = 0.5 * jk.conv2d(x, w, padding=1)
+    cpu = devices[0]  # the same CPU kernels on one device
+    expected = 0.5 * jk.conv2d(jax.device_put(x, cpu), jax.device_put(w, cpu), padding=1)
     np.testing.assert_allclose(y, expected, rtol=1e-12, atol=1e-12)
