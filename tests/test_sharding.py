@@ -8,7 +8,6 @@ reductions are of a weight's, a box list's or a pooled output's size.
 
 from __future__ import annotations
 
-import contextlib
 import re
 
 import jax
@@ -376,18 +375,26 @@ def test_shard_map_per_shard_calls():
     np.testing.assert_allclose(f(*args), jax.grad(local_loss)(w, x, grid), rtol=1e-12)
 
 
-def test_explicit_axes_are_correct():
-    """With Explicit mesh axes (sharding in types) the ops give the right values; their results
-    are replicated (docs/scaling.md), so shard with Auto axes for data parallelism."""
+def test_explicit_axes():
+    """Explicit mesh axes (sharding in types): the same partitioning rules apply; values are
+    right and a batch-sharded convolution keeps its batch sharded in its type, with no
+    collective (docs/scaling.md)."""
     axis_type = getattr(jax.sharding, "AxisType", None)
-    if axis_type is None:
+    set_mesh = getattr(jax, "set_mesh", None) or getattr(jax.sharding, "use_mesh", None)
+    if axis_type is None or set_mesh is None:
         pytest.skip("this jax has no explicit axes")
     m = jax.make_mesh((len(DEVICES),), ("batch",), axis_types=(axis_type.Explicit,),
                       devices=DEVICES)
     x = random(0, (16, 3, 8, 8), jnp.float64)
     w = random(1, (4, 3, 3, 3), jnp.float64)
     args = (put(x, m, "batch"), put(w, m))
-    with jax.sharding.use_mesh(m) if hasattr(jax.sharding, "use_mesh") else contextlib.nullcontext():
-        y = jax.jit(lambda x, w: jk.lerp(jk.conv2d(x, w, padding=1), x[:, :1], 0.5))(*args)
     expected = 0.5 * (jk.conv2d(x, w, padding=1) + x[:, :1])
+    with set_mesh(m):
+        f = lambda x, w: jk.lerp(jk.conv2d(x, w, padding=1), x[:, :1], 0.5)
+        y = jax.jit(f)(*args)
+        assert collectives(f, *args) == []
+        assert jax.typeof(y).sharding.spec[0] == "batch"
+        grads = jax.grad(lambda w, x: (jk.conv2d(x, w, padding=1) ** 2).sum(), argnums=(0, 1))
+        actual = jax.jit(grads)(args[1], args[0])
     np.testing.assert_allclose(y, expected, rtol=1e-12, atol=1e-12)
+    assert_tree_close(actual, grads(w, x))
