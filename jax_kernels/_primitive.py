@@ -128,6 +128,7 @@ class Kernel:
 
     def _abstract_eval(self, *avals: Any, **params: Any) -> ShapedArray:
         shape, dtype = self._shape(*avals, **params)
+        _check_size(self.name, tuple(shape), dtype)
         return ShapedArray(tuple(shape), dtype)
 
     def _lowering(self, ctx, *operands, **params):
@@ -161,6 +162,22 @@ class Kernel:
         if is_zero(cotangent):
             return [None] * len(operands)
         return list(self._transpose(cotangent, *operands, **params))
+
+
+_OPS = ("grid_sample", "roi_align", "conv2d", "lerp", "repeat")
+_MAX_BYTES = 1 << 62
+
+
+def _check_size(name: str, shape: tuple[int, ...], dtype: Any) -> None:
+    """A result that no memory can hold (its byte count past 2^62, where XLA's own shape
+    arithmetic overflows and aborts the process) is refused at trace time."""
+    elements = 1
+    for extent in shape:
+        elements *= int(extent)
+    if elements * jnp.dtype(dtype).itemsize > _MAX_BYTES:
+        op = next((o for o in _OPS if name.startswith("jk_" + o)), name)
+        raise ValueError(f"{op}(): the result would have shape {shape} ({jnp.dtype(dtype).name}), "
+                         f"more than 2^62 bytes")
 
 
 @functools.lru_cache(maxsize=None)

@@ -215,12 +215,92 @@ struct StencilPass {
   StencilWeights weight_map;
 };
 
+// ---- Geometries whose padding, dilation or stride dwarf the tensors -----------------------------
+// The buffered paths size their row buffers by the padded span of the taps and their phase
+// tables by the stride, so memory and time would grow with those numbers instead of with the
+// tensors (a 4x4 image with padding 3000 and stride 1000 took 2 GB). Where the buffers would be
+// far larger than the tensors, the passes below run instead: per output element, the live taps
+// only, bounds checked, no buffer; time proportional to outputs x taps x channels.
+
+// a * b and a + b saturated at 2^62 (the estimates below must not overflow).
+constexpr int64_t kHuge = int64_t(1) << 62;
+int64_t sat_mul(int64_t a, int64_t b) {
+  if (a <= 0 || b <= 0) return 0;
+  return a > kHuge / b ? kHuge : a * b;
+}
+int64_t sat_add(int64_t a, int64_t b) { return a > kHuge - b ? kHuge : a + b; }
+
+// Whether buffers of `buffer` elements (and tables of `tables` entries) are out of proportion
+// with tensors of `tensors` elements.
+bool out_of_proportion(int64_t buffer, int64_t tables, int64_t tensors) {
+  const int64_t bound = sat_add(sat_mul(16, tensors), int64_t(1) << 20);
+  return buffer > bound || tables > bound;
+}
+
+template <class T>
+bool stencil_out_of_proportion(const StencilPass<T>& s, int64_t lanes) {
+  const StencilAxis &r = s.rows, &c = s.cols;
+  // Upper bounds of what run_stencil_pass allocates per thread: the padded rows of a band of 8
+  // (phase) rows for every input channel, and the (row phase x column phase) tables.
+  const auto span = [](const StencilAxis& a) {
+    return sat_add(sat_mul(a.taps - 1, a.dilation) / a.upsample, 2);
+  };
+  const int64_t rows = sat_add(sat_mul(8, r.stride), span(r));
+  const int64_t phase_cols = ceil_div(c.out, c.upsample);
+  const int64_t pitch = sat_mul(c.stride, sat_add(sat_add(round_up(phase_cols, 2 * lanes),
+                                                          span(c) / c.stride), 1));
+  const int64_t buffer = sat_mul(sat_mul(std::max<int64_t>(s.in_per_group, 1), rows), pitch);
+  const int64_t tables = sat_mul(r.upsample, c.upsample);
+  const int64_t tensors = sat_add(sat_mul(std::max<int64_t>(s.in_per_group, 1),
+                                          sat_mul(r.source, c.source)),
+                                  sat_mul(std::max<int64_t>(s.out_per_group, 1),
+                                          sat_mul(r.out, c.out)));
+  return out_of_proportion(buffer, tables, tensors);
+}
+
+// The stencil pass element by element (see above): out[n, g*Og + o, y, x] = bias + sum over
+// input channels i and live taps of w * source, in a fixed order.
+template <class T>
+void run_stencil_direct(const StencilPass<T>& s) {
+  using A = acc_t<T>;
+  const int64_t Ig = s.in_per_group, Og = s.out_per_group;
+  const int64_t out_rows = s.rows.out, out_cols = s.cols.out, out_plane = out_rows * out_cols;
+  const int64_t source_plane = s.rows.source * s.cols.source;
+  const int64_t work = std::max<int64_t>(1, out_plane * Ig * s.rows.taps * s.cols.taps);
+  parallel_for(s.N * s.groups * Og, std::max<int64_t>(1, (int64_t(1) << 16) / work),
+               [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / (s.groups * Og), g = item / Og % s.groups, o = item % Og;
+      const T* source = s.source + (n * s.groups + g) * Ig * source_plane;
+      T* out = s.out + ((n * s.groups + g) * Og + o) * out_plane;
+      const A bias = s.bias ? to_acc(s.bias[g * Og + o]) : A(0);
+      for (int64_t y = 0; y < out_rows; ++y)
+        for (int64_t x = 0; x < out_cols; ++x) {
+          A sum = bias;
+          for (int64_t i = 0; i < Ig; ++i)
+            for (int64_t ty = 0; ty < s.rows.taps; ++ty) {
+              const int64_t sy = s.rows.sample(s.rows.position(y, ty));
+              if (sy < 0) continue;
+              for (int64_t tx = 0; tx < s.cols.taps; ++tx) {
+                const int64_t sx = s.cols.sample(s.cols.position(x, tx));
+                if (sx < 0) continue;
+                sum += to_acc(s.weights[s.weight_map.offset(g, o, i, ty, tx)]) *
+                       to_acc(source[i * source_plane + sy * s.cols.source + sx]);
+              }
+            }
+          out[y * out_cols + x] = from_acc<T>(sum);
+        }
+    }
+  });
+}
+
 template <class T>
 void run_stencil_pass(const StencilPass<T>& s) {
   using A = acc_t<T>;
   constexpr int64_t kSlidingRows = 8;  // conv_loops.inc's largest row block: buffers hold whole
                                        // blocks
   const CpuLoops<A>& isa = loops<A>();
+  if (stencil_out_of_proportion(s, isa.lanes)) return run_stencil_direct(s);
   const int64_t Ig = s.in_per_group, Og = s.out_per_group;
   const std::vector<PhaseTaps> row_phases = phase_taps(s.rows), col_phases = phase_taps(s.cols);
   const int64_t up_y = s.rows.upsample, up_x = s.cols.upsample;
@@ -381,6 +461,37 @@ void run_stencil_pass(const StencilPass<T>& s) {
 
 // ---- Backward weight ----------------------------------------------------------------------------
 
+// The weight gradient element by element (see run_stencil_direct): dw[g*Kg + k, c, r, s] = sum
+// over images and output positions of dy * x at the tap, in a fixed order.
+template <class T>
+void run_weight_gradient_direct(const T* dy, const T* x, T* dw, const ConvProblem& p) {
+  using A = acc_t<T>;
+  const int64_t Kg = p.filters_per_group(), Cg = p.channels_per_group();
+  const int64_t work = std::max<int64_t>(1, p.N * p.P * p.Q);
+  parallel_for(p.K * Cg * p.R * p.S, std::max<int64_t>(1, (int64_t(1) << 16) / work),
+               [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item % p.S, r = item / p.S % p.R, c = item / (p.R * p.S) % Cg;
+      const int64_t k = item / (Cg * p.R * p.S), g = k / Kg;
+      A sum = A(0);
+      for (int64_t n = 0; n < p.N; ++n) {
+        const T* dy_plane = dy + (n * p.K + k) * p.P * p.Q;
+        const T* x_plane = x + (n * p.C + g * Cg + c) * p.H * p.W;
+        for (int64_t y = 0; y < p.P; ++y) {
+          const int64_t iy = y * p.stride_h + r * p.dilation_h - p.pad_top;
+          if (iy < 0 || iy >= p.H) continue;
+          for (int64_t q = 0; q < p.Q; ++q) {
+            const int64_t ix = q * p.stride_w + s * p.dilation_w - p.pad_left;
+            if (ix < 0 || ix >= p.W) continue;
+            sum += to_acc(dy_plane[y * p.Q + q]) * to_acc(x_plane[iy * p.W + ix]);
+          }
+        }
+      }
+      dw[item] = from_acc<T>(sum);
+    }
+  });
+}
+
 template <class T>
 void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   using A = acc_t<T>;
@@ -388,6 +499,16 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   const int64_t Kg = p.filters_per_group(), Cg = p.channels_per_group(), RS = p.R * p.S;
   const int64_t weights = p.K * Cg * RS;
   if (weights == 0) return;
+  {
+    // The padded input planes run_weight_gradient stages (per thread, at least one) against
+    // the planes of the tensors.
+    const int64_t rows = sat_add(sat_mul(p.P - 1, p.stride_h), sat_mul(p.R - 1, p.dilation_h));
+    const int64_t pitch = sat_mul(p.stride_w, sat_add(round_up(p.Q, isa.lanes),
+                                                      sat_mul(p.S - 1, p.dilation_w) / p.stride_w + 1));
+    if (out_of_proportion(sat_mul(sat_add(rows, 1), pitch), 0,
+                          sat_add(sat_mul(p.H, p.W), sat_mul(p.P, p.Q))))
+      return run_weight_gradient_direct(dy, x, dw, p);
+  }
   const int64_t cols = round_up(p.Q, isa.lanes);
   // Images are reduced in slices fixed by the shapes (never by the thread count), then the
   // slices are added in order. A slice spans at least 4096 output positions, so that the

@@ -1,0 +1,167 @@
+"""Hostile but legal inputs: extreme paddings, dilations and strides, results too large for any
+memory. Each regression case runs in its own subprocess (a crash fails the test, it does not
+kill the run) and reports its peak memory; property tests compare conv2d's passes on random
+geometries, enormous ones included, with a jnp reference that touches live taps only."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_kernels as jk
+
+try:
+    from hypothesis import HealthCheck, given, settings, strategies as st
+except Exception as error:  # hypothesis is in the test extras; skip cleanly without it
+    HYPOTHESIS_UNAVAILABLE = f"hypothesis is not importable ({type(error).__name__})"
+else:
+    HYPOTHESIS_UNAVAILABLE = ""
+
+
+def run_isolated(code: str, timeout: float = 120) -> dict:
+    """Runs `code` (which prints one JSON object last) in a fresh CPU-only Python; returns that
+    object with the peak resident memory in GB ("rss_gb")."""
+    wrapper = textwrap.dedent("""
+        import json, resource, sys
+        import jax
+        jax.config.update("jax_enable_x64", True)
+        result = {}
+        exec(compile(sys.stdin.read(), "<case>", "exec"), {"result": result})
+        result["rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+        print(json.dumps(result))
+    """)
+    proc = subprocess.run([sys.executable, "-c", wrapper], input=textwrap.dedent(code),
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, f"the case crashed or failed (rc {proc.returncode}):\n" \
+                                 f"{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def conv_reference(x, w, stride, padding, dilation, groups):
+    """conv2d in jnp from gathers of the live taps (no padded copy): any geometry, float64,
+    differentiable (its gradients are the dgrad / wgrad oracles)."""
+    n, c, h, wd = x.shape
+    k, cg, r, s = w.shape
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    p = (h + 2 * ph - dh * (r - 1) - 1) // sh + 1
+    q = (wd + 2 * pw - dw * (s - 1) - 1) // sw + 1
+    iy = np.arange(p)[:, None] * sh + np.arange(r)[None, :] * dh - ph       # [P, R]
+    ix = np.arange(q)[:, None] * sw + np.arange(s)[None, :] * dw - pw       # [Q, S]
+    my, mx = (iy >= 0) & (iy < h), (ix >= 0) & (ix < wd)
+    patches = x[:, :, np.clip(iy, 0, h - 1)][:, :, :, :, np.clip(ix, 0, wd - 1)]  # [N,C,P,R,Q,S]
+    patches = patches * (my[:, :, None, None] & mx[None, None]).astype(x.dtype)
+    patches = patches.reshape(n, groups, c // groups, p, r, q, s)
+    weights = w.reshape(groups, k // groups, cg, r, s)
+    y = jnp.einsum("ngcprqs,gkcrs->ngkpq", patches, weights, precision="highest")
+    return y.reshape(n, k, p, q)
+
+
+_CONV_CASE = """
+import jax, jax.numpy as jnp, numpy as np
+import jax_kernels as jk
+sys_path_test = {test_dir!r}
+import sys; sys.path.insert(0, sys_path_test)
+from test_hardening import conv_reference
+stride, padding, dilation, groups = {stride}, {padding}, {dilation}, {groups}
+x = jax.random.normal(jax.random.key(0), {x_shape}, jnp.float64)
+w = jax.random.normal(jax.random.key(1), {w_shape}, jnp.float64)
+ours = lambda x, w: jk.conv2d(x, w, stride=stride, padding=padding, dilation=dilation,
+                              groups=groups)
+ref = lambda x, w: conv_reference(x, w, stride, padding, dilation, groups)
+y, vjp = jax.vjp(ours, x, w)
+y_ref, vjp_ref = jax.vjp(ref, x, w)
+dy = jax.random.normal(jax.random.key(2), y.shape, jnp.float64)
+errors = [float(jnp.max(jnp.abs(a - b))) if a.size else 0.0
+          for a, b in zip((y,) + vjp(dy), (y_ref,) + vjp_ref(dy))]
+result.update(shape=list(y.shape), errors=errors)
+"""
+
+
+@pytest.mark.parametrize("stride, padding, dilation, groups", [
+    ((10000, 10000), (10000, 10000), (1, 1), 1),          # stride and padding dwarf the image
+    ((1000, 999), (3000, 2999), (1, 1), 2),               # was 2 GB and 5 s per pass
+    ((1, 1), (1 << 20, 1 << 20), (1 << 20, 1 << 20), 1),  # was std::bad_alloc
+    ((3, 7000), (5, 7000), (2, 3000), 2),                 # mixed: one axis extreme
+])
+def test_conv2d_extreme_geometry(stride, padding, dilation, groups):
+    """Every pass of conv2d on a 4x4 image whose padding, dilation or stride are enormous: the
+    right values, memory of the tensors' order (not of the options), in seconds."""
+    import pathlib
+    result = run_isolated(_CONV_CASE.format(
+        test_dir=str(pathlib.Path(__file__).parent), stride=stride, padding=padding,
+        dilation=dilation, groups=groups, x_shape=(2, 4, 4, 5), w_shape=(4, 4 // groups, 3, 3)))
+    assert all(e < 1e-12 for e in result["errors"]), result
+    assert result["rss_gb"] < 1.0, result
+
+
+@pytest.mark.parametrize("call", [
+    "jk.conv2d(jnp.ones((1, 1, 4, 4)), jnp.ones((1, 1, 3, 3)), padding=1 << 40)",
+    "jk.repeat(jnp.ones((4, 4)), (1 << 40, 1 << 40))",
+    "jk.roi_align(jnp.ones((1, 1, 4, 4)), jnp.zeros((1, 5)), (1 << 40, 1 << 40))",
+])
+def test_results_past_any_memory_are_refused(call):
+    """A result of more than 2^62 bytes made XLA abort the process (its shape arithmetic
+    overflows): refused at trace time with a ValueError naming the op."""
+    result = run_isolated(f"""
+import jax, jax.numpy as jnp, jax_kernels as jk
+try:
+    jax.eval_shape(lambda: {call})
+    result['error'] = None
+except ValueError as e:
+    result['error'] = str(e)
+""")
+    op = call.split("(")[0].split(".")[1]
+    assert result["error"] and result["error"].startswith(f"{op}(): the result would have shape")
+
+
+@pytest.mark.skipif(bool(HYPOTHESIS_UNAVAILABLE), reason=HYPOTHESIS_UNAVAILABLE or "-")
+def test_conv2d_random_geometries():
+    """Random shapes and options, strides / paddings / dilations up to 10^5, float64: the
+    forward and both gradients equal the reference."""
+
+    extent = st.one_of(st.integers(1, 4), st.integers(1, 100000))
+
+    @st.composite
+    def problems(draw):
+        groups = draw(st.sampled_from([1, 2]))
+        c, k = groups * draw(st.integers(1, 2)), groups * draw(st.integers(1, 2))
+        h, w = draw(st.integers(1, 6)), draw(st.integers(1, 6))
+        r, s = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+        stride = (draw(extent), draw(extent))
+        dilation = (draw(extent), draw(extent))
+        padding = (draw(st.one_of(st.integers(0, 3), st.integers(0, 100000))),
+                   draw(st.one_of(st.integers(0, 3), st.integers(0, 100000))))
+        p = (h + 2 * padding[0] - dilation[0] * (r - 1) - 1)
+        q = (w + 2 * padding[1] - dilation[1] * (s - 1) - 1)
+        # a kernel that does not fit the padded input is an error (tested elsewhere); keep the
+        # output small enough for the reference
+        if p < 0 or q < 0 or (p // stride[0] + 1) * (q // stride[1] + 1) > 4096:
+            from hypothesis import assume
+            assume(False)
+        return (1, c, h, w), (k, c // groups, r, s), stride, padding, dilation, groups
+
+    @settings(max_examples=40, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(problems())
+    def check(problem):
+        x_shape, w_shape, stride, padding, dilation, groups = problem
+        x = jax.random.normal(jax.random.key(0), x_shape, jnp.float64)
+        w = jax.random.normal(jax.random.key(1), w_shape, jnp.float64)
+        ours = lambda x, w: jk.conv2d(x, w, stride=stride, padding=padding, dilation=dilation,
+                                      groups=groups)
+        ref = lambda x, w: conv_reference(x, w, stride, padding, dilation, groups)
+        y, vjp = jax.vjp(ours, x, w)
+        y_ref, vjp_ref = jax.vjp(ref, x, w)
+        dy = jax.random.normal(jax.random.key(2), y.shape, jnp.float64)
+        for a, b in zip((y,) + vjp(dy), (y_ref,) + vjp_ref(dy)):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+    check()
