@@ -51,5 +51,13 @@ def bit_width(dtype: Any) -> int:
     return dtype.itemsize * 8
 
 
+def check_bool(op: str, name: str, value: Any) -> bool:
+    """A flag option as a bool; anything but a Python or NumPy bool is a TypeError naming the op
+    (a truthy string such as 'no' must not pass as True)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{op}(): {name} must be a bool, got {value!r}")
+    return bool(value)
+
+
 def is_python_scalar(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._checks import as_array, check_float_dtypes
+from ._checks import as_array, check_bool, check_float_dtypes
 
 _OP = "affine_grid"
 
@@ -38,8 +38,7 @@ def affine_grid(theta: Any, size: Sequence[int], align_corners: bool | None = Fa
     check_float_dtypes(_OP, theta=theta)
     if align_corners is None:
         align_corners = False
-    if not isinstance(align_corners, (bool, np.bool_)):
-        raise TypeError(f"{_OP}(): align_corners must be a bool, got {align_corners!r}")
+    check_bool(_OP, "align_corners", align_corners)
     try:
         size = tuple(operator.index(s) for s in size)
     except TypeError:

@@ -28,7 +28,7 @@ import numpy as np
 
 from . import _ffi
 from . import _sharding as _partition
-from ._checks import as_array, check_float_dtypes
+from ._checks import as_array, check_bool, check_float_dtypes
 from ._primitive import Kernel, add, aval, is_linear, is_zero, replaced, without
 
 _MODES = _ffi.ENUMS["GridSampleMode"]
@@ -82,10 +82,8 @@ def _check(input, grid, mode, padding_mode, align_corners, deterministic) -> _At
                          f"'reflection', got {padding_mode!r}")
     if align_corners is None:
         align_corners = False
-    if not isinstance(align_corners, (bool, np.bool_)):
-        raise TypeError(f"grid_sample(): align_corners must be a bool, got {align_corners!r}")
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"grid_sample(): deterministic must be a bool, got {deterministic!r}")
+    check_bool("grid_sample", "align_corners", align_corners)
+    check_bool("grid_sample", "deterministic", deterministic)
     shape, grid_shape = tuple(input.shape), tuple(grid.shape)
     if input.ndim not in (4, 5):
         raise ValueError(f"grid_sample(): expected a 4-D or 5-D input, got shape {shape}")

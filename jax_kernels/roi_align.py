@@ -27,7 +27,7 @@ import numpy as np
 
 from . import _ffi
 from . import _sharding as _partition
-from ._checks import as_array, check_float_dtypes
+from ._checks import as_array, check_bool, check_float_dtypes
 from ._primitive import Kernel, add, aval, is_linear, is_zero, replaced, without
 
 _MAX_BATCH_TERMS = 8  # kRoiAlignMaxBatchTerms in roi_align.h
@@ -93,8 +93,8 @@ def roi_align(input: Any, boxes: Any, output_size: int | Sequence[int], spatial_
     boxes = _rois(input, boxes)
     check_float_dtypes("roi_align", input=input, boxes=boxes)
     attrs = _Attrs(*_output_size(output_size), _spatial_scale(spatial_scale),
-                   _sampling_ratio(sampling_ratio), _flag("aligned", aligned),
-                   _flag("deterministic", deterministic))
+                   _sampling_ratio(sampling_ratio), check_bool("roi_align", "aligned", aligned),
+                   check_bool("roi_align", "deterministic", deterministic))
     return _roi_align_jit(input, boxes, attrs)
 
 
@@ -149,12 +149,6 @@ def _spatial_scale(spatial_scale: Any) -> float:
         return float(spatial_scale)
     raise TypeError("roi_align(): spatial_scale must be a number or a concrete float scalar (a "
                     f"static argument, not traced), got {type(spatial_scale).__name__}")
-
-
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"roi_align(): {name} must be a bool, got {value!r}")
-    return bool(value)
 
 
 def _sampling_ratio(sampling_ratio: Any) -> int:
