@@ -21,7 +21,7 @@ else:
 
 DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
-# Relative tolerances by dtype (DESIGN.md section 6); never loosen one to make a test pass.
+# Relative tolerances by dtype (docs/design.md, "Testing"); never loosen one to make a test pass.
 RTOL = {
     np.dtype(jnp.float16): 1e-2,
     np.dtype(jnp.bfloat16): 1e-2,

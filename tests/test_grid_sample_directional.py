@@ -30,7 +30,7 @@ from test_grid_sample import PADDINGS, RANK_MODES, random_array, smooth_grid
 DEVICES = jax.devices()[:1]  # one device of the default platform (conftest makes 8 CPU devices)
 MODE_CODES = _ffi.ENUMS["GridSampleMode"]
 PADDING_CODES = _ffi.ENUMS["GridSamplePadding"]
-# Relative to the expected array's magnitude (DESIGN.md section 6).
+# Relative to the expected array's magnitude (docs/design.md, "Testing").
 DTYPE_RTOL = {np.dtype(jnp.float32): 1e-5, np.dtype(jnp.float16): 1e-2,
               np.dtype(jnp.bfloat16): 1e-2}
 FD_RTOL = 1e-9  # five-point differences in float64 with step 1e-4: exact but for rounding
