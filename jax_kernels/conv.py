@@ -48,12 +48,15 @@ _PRECISIONS = {
 
 
 def conv2d(input: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0,
-           dilation: Any = 1, groups: int = 1, *, precision: Any = None) -> jax.Array:
+           dilation: Any = 1, groups: int = 1, *, precision: Any = None,
+           data_format: str = "NCHW") -> jax.Array:
     """2-D convolution (cross-correlation), as ``torch.nn.functional.conv2d``.
 
     Args:
-      input: ``[N, C, H, W]`` (or unbatched ``[C, H, W]``).
-      weight: ``[K, C / groups, R, S]``.
+      input: ``[N, C, H, W]`` (or unbatched ``[C, H, W]``); with ``data_format="NHWC"``,
+        ``[N, H, W, C]`` (or ``[H, W, C]``).
+      weight: ``[K, C / groups, R, S]``; with ``data_format="NHWC"``, HWIO ``[R, S, C / groups,
+        K]`` (as ``lax.conv_general_dilated`` with ``("NHWC", "HWIO", "NHWC")`` and Flax).
       bias: ``[K]`` or None.
       stride, dilation: int or ``(h, w)``, positive.
       padding: torch's forms: an int or ``(h, w)`` (the same on both sides), ``"valid"`` (none)
@@ -67,8 +70,12 @@ def conv2d(input: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: 
         tensor-core path takes the problem (as ``lax.conv`` and cuDNN do by default);
         ``"highest"``: full float32 everywhere. The CPU and the direct CUDA kernels always use full
         float32. Half types accumulate in float32.
+      data_format: ``"NCHW"`` (torch's layout, the default) or ``"NHWC"`` (channels last, with
+        HWIO weights and an ``[N, P, Q, K]`` output). Both layouts have their own kernels that
+        read and write them directly; the results are the same numbers.
 
-    Returns ``[N, K, P, Q]`` (``[K, P, Q]`` for an unbatched input) in the input's dtype.
+    Returns ``[N, K, P, Q]`` (``[K, P, Q]`` for an unbatched input; NHWC: ``[N, P, Q, K]`` /
+    ``[P, Q, K]``) in the input's dtype.
     Differentiable with respect to input, weight and bias. All arrays must share one dtype
     among float16, bfloat16, float32 and float64.
     """
@@ -78,14 +85,15 @@ def conv2d(input: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: 
     if bias is not None:
         arrays["bias"] = as_array(_OP, "bias", bias)
     check_float_dtypes(_OP, **arrays)
+    layout = _layout(data_format)
     if x.ndim not in (3, 4):
-        raise ValueError(f"{_OP}(): expected input of shape (N, C, H, W) or (C, H, W), got "
-                         f"{tuple(x.shape)}")
+        expected = "(N, C, H, W) or (C, H, W)" if layout == "NCHW" else "(N, H, W, C) or (H, W, C)"
+        raise ValueError(f"{_OP}(): expected input of shape {expected}, got {tuple(x.shape)}")
     unbatched = x.ndim == 3
     if unbatched:
         x = x[None]
     conv = _make_conv(x.shape, w.shape, None if bias is None else arrays["bias"].shape, stride,
-                      padding, dilation, groups, precision)
+                      padding, dilation, groups, precision, layout)
     b = arrays["bias"] if bias is not None else jnp.zeros((0,), x.dtype)
     y = _conv2d_jit(x, w, b, conv)
     return y[0] if unbatched else y
@@ -103,6 +111,8 @@ class _Attrs:
     dilation: tuple[int, int]
     groups: int
     precision: int
+    layout: str = "NCHW"  # "NCHW" (KCRS weights) or "NHWC" (HWIO weights); not an attribute:
+                          # each layout has its own targets
 
     def with_groups(self, groups: int) -> "_Attrs":
         return dataclasses.replace(self, groups=groups)
@@ -127,6 +137,61 @@ class _Attrs:
         P = (H + top + bottom - self.dilation[0] * (R - 1) - 1) // self.stride[0] + 1
         Q = (W + left + right - self.dilation[1] * (S - 1) - 1) // self.stride[1] + 1
         return P, Q
+
+
+# --- layouts: the kernels describe every pass by logical extents; these map them to shapes ----
+
+
+def _layout(data_format: Any) -> str:
+    if not isinstance(data_format, str):
+        raise TypeError(f"{_OP}(): data_format must be 'NCHW' or 'NHWC', got {data_format!r}")
+    if data_format not in ("NCHW", "NHWC"):
+        raise ValueError(f"{_OP}(): data_format must be 'NCHW' or 'NHWC', got {data_format!r}")
+    return data_format
+
+
+def _x_dims(shape, layout: str) -> tuple[int, int, int, int]:
+    """(N, C, H, W) of an activation (input or output) shape."""
+    return tuple(shape) if layout == "NCHW" else (shape[0], shape[3], shape[1], shape[2])
+
+
+def _x_shape(n: int, c: int, hw: tuple[int, int], layout: str) -> tuple[int, ...]:
+    return (n, c) + tuple(hw) if layout == "NCHW" else (n,) + tuple(hw) + (c,)
+
+
+def _w_dims(shape, layout: str) -> tuple[int, int, int, int]:
+    """(K, C / groups, R, S) of a weight shape (KCRS or HWIO)."""
+    return tuple(shape) if layout == "NCHW" else (shape[3], shape[2], shape[0], shape[1])
+
+
+def _w_shape(k: int, cg: int, rs: tuple[int, int], layout: str) -> tuple[int, ...]:
+    return (k, cg) + tuple(rs) if layout == "NCHW" else tuple(rs) + (cg, k)
+
+
+def _hw(shape, layout: str) -> tuple[int, int]:
+    return tuple(shape[2:4]) if layout == "NCHW" else tuple(shape[1:3])
+
+
+def _rs(shape, layout: str) -> tuple[int, int]:
+    return tuple(shape[2:4]) if layout == "NCHW" else tuple(shape[0:2])
+
+
+def _channel_axis(layout: str) -> int:
+    """The channel axis of an (unbatched by vmap) activation."""
+    return 1 if layout == "NCHW" else 3
+
+
+def _filter_axis(layout: str) -> int:
+    return 0 if layout == "NCHW" else 3
+
+
+def _in_channel_axis(layout: str) -> int:
+    return 1 if layout == "NCHW" else 2
+
+
+def _target(name: str, layout: str) -> str:
+    """The target of pass `name` (jk_conv2d_fwd, ...) for the layout (jk_conv2d_nhwc_fwd, ...)."""
+    return name if layout == "NCHW" else name.replace("jk_conv2d_", "jk_conv2d_nhwc_")
 
 
 def _int(name: str, value: Any) -> int:
@@ -192,13 +257,14 @@ def _padding(padding: Any, hw: tuple[int, int], span: tuple[int, int],
     return pads
 
 
-def _make_conv(x_shape, w_shape, b_shape, stride, padding, dilation, groups, precision) -> _Attrs:
+def _make_conv(x_shape, w_shape, b_shape, stride, padding, dilation, groups, precision,
+               layout: str = "NCHW") -> _Attrs:
     shapes = f"input {tuple(x_shape)}, weight {tuple(w_shape)}"
     if len(w_shape) != 4:
-        raise ValueError(f"{_OP}(): expected weight of shape (K, C / groups, R, S), got "
-                         f"{tuple(w_shape)}")
-    N, C, H, W = x_shape
-    K, Cg, R, S = w_shape
+        expected = "(K, C / groups, R, S)" if layout == "NCHW" else "(R, S, C / groups, K) (HWIO)"
+        raise ValueError(f"{_OP}(): expected weight of shape {expected}, got {tuple(w_shape)}")
+    N, C, H, W = _x_dims(x_shape, layout)
+    K, Cg, R, S = _w_dims(w_shape, layout)
     groups = _int("groups", groups)
     if groups <= 0:
         raise ValueError(f"{_OP}(): groups must be positive, got {groups}")
@@ -231,7 +297,7 @@ def _make_conv(x_shape, w_shape, b_shape, stride, padding, dilation, groups, pre
     except (KeyError, TypeError):
         raise ValueError(f"{_OP}(): precision must be None, 'default' or 'highest', got "
                          f"{precision!r}") from None
-    return _Attrs(stride, pads, dilation, groups, precision_code)
+    return _Attrs(stride, pads, dilation, groups, precision_code, layout)
 
 
 # --- the kernels as primitives ----------------------------------------------------------------
@@ -257,16 +323,16 @@ def _no_bias(dtype) -> jax.Array:
 
 
 def _forward_shape(x, w, b, *, conv):
-    N, _, H, W = x.shape
-    K, _, R, S = w.shape
-    return (N, K) + conv.output_hw((H, W), (R, S)), x.dtype
+    N, _, H, W = _x_dims(x.shape, conv.layout)
+    K, _, R, S = _w_dims(w.shape, conv.layout)
+    return _x_shape(N, K, conv.output_hw((H, W), (R, S)), conv.layout), x.dtype
 
 
 def _forward_emit(x, w, b, *, conv):
-    N, C, H, W = x.shape
-    K, _, R, S = w.shape
+    N, C, H, W = _x_dims(x.shape, conv.layout)
+    K, _, R, S = _w_dims(w.shape, conv.layout)
     P, Q = conv.output_hw((H, W), (R, S))
-    result = jax.ShapeDtypeStruct((N, K, P, Q), x.dtype)
+    result = jax.ShapeDtypeStruct(_x_shape(N, K, (P, Q), conv.layout), x.dtype)
     return _emit("jk_conv2d_fwd", "forward", conv, result, (x, w, b), (N, C, H, W, K, R, S, P, Q))
 
 
@@ -278,7 +344,7 @@ def _forward_jvp(primals, tangents, *, conv):
     if not is_zero(tx):
         terms.append(_FWD(tx, w, tb if has_bias else _no_bias(x.dtype), conv=conv))
     elif has_bias:
-        terms.append(_BIAS(tb, shape=_FWD.result(x, w, b, conv=conv).shape))
+        terms.append(_BIAS(tb, shape=_FWD.result(x, w, b, conv=conv).shape, layout=conv.layout))
     if not is_zero(tw):
         terms.append(_FWD(x, tw, _no_bias(x.dtype), conv=conv))
     return add(*terms)
@@ -287,25 +353,28 @@ def _forward_jvp(primals, tangents, *, conv):
 def _forward_transpose(dy, x, w, b, *, conv):
     cts = [None, None, None]
     if is_linear(x):
-        cts[0] = _DGRAD(dy, w, conv=conv, input_hw=tuple(aval(x).shape[2:]))
+        cts[0] = _DGRAD(dy, w, conv=conv, input_hw=_hw(aval(x).shape, conv.layout))
     if is_linear(w):
-        cts[1] = _WGRAD(dy, x, conv=conv, kernel_rs=tuple(aval(w).shape[2:]))
+        cts[1] = _WGRAD(dy, x, conv=conv, kernel_rs=_rs(aval(w).shape, conv.layout))
     if is_linear(b):
-        cts[2] = _BGRAD(dy) if aval(b).shape[0] > 0 else _no_bias(dy.dtype)
+        cts[2] = (_BGRAD(dy, layout=conv.layout) if aval(b).shape[0] > 0
+                  else _no_bias(dy.dtype))
     return cts
 
 
 def _dgrad_shape(dy, w, *, conv, input_hw):
-    return (dy.shape[0], w.shape[1] * conv.groups) + input_hw, dy.dtype
+    N = dy.shape[0]
+    _, Cg, _, _ = _w_dims(w.shape, conv.layout)
+    return _x_shape(N, Cg * conv.groups, input_hw, conv.layout), dy.dtype
 
 
 def _dgrad_emit(dy, w, *, conv, input_hw):
-    N, K, P, Q = dy.shape
-    _, Cg, R, S = w.shape
+    N, K, P, Q = _x_dims(dy.shape, conv.layout)
+    _, Cg, R, S = _w_dims(w.shape, conv.layout)
     C = Cg * conv.groups
-    result = jax.ShapeDtypeStruct((N, C) + input_hw, dy.dtype)
+    result = jax.ShapeDtypeStruct(_x_shape(N, C, input_hw, conv.layout), dy.dtype)
     return _emit("jk_conv2d_bwd_input", "backward_data", conv, result, (dy, w),
-                 (N, C) + input_hw + (K, R, S, P, Q))
+                 (N, C) + tuple(input_hw) + (K, R, S, P, Q))
 
 
 def _dgrad_jvp(primals, tangents, *, conv, input_hw):
@@ -318,19 +387,22 @@ def _dgrad_jvp(primals, tangents, *, conv, input_hw):
 def _dgrad_transpose(ct, dy, w, *, conv, input_hw):
     if is_linear(dy):
         return [_FWD(ct, w, _no_bias(ct.dtype), conv=conv), None]
-    return [None, _WGRAD(dy, ct, conv=conv, kernel_rs=tuple(aval(w).shape[2:]))]
+    return [None, _WGRAD(dy, ct, conv=conv, kernel_rs=_rs(aval(w).shape, conv.layout))]
 
 
 def _wgrad_shape(dy, x, *, conv, kernel_rs):
-    return (dy.shape[1], x.shape[1] // conv.groups) + kernel_rs, dy.dtype
+    K = _x_dims(dy.shape, conv.layout)[1]
+    C = _x_dims(x.shape, conv.layout)[1]
+    return _w_shape(K, C // conv.groups, kernel_rs, conv.layout), dy.dtype
 
 
 def _wgrad_emit(dy, x, *, conv, kernel_rs):
-    N, K, P, Q = dy.shape
-    _, C, H, W = x.shape
-    result = jax.ShapeDtypeStruct((K, C // conv.groups) + kernel_rs, dy.dtype)
+    N, K, P, Q = _x_dims(dy.shape, conv.layout)
+    _, C, H, W = _x_dims(x.shape, conv.layout)
+    result = jax.ShapeDtypeStruct(_w_shape(K, C // conv.groups, kernel_rs, conv.layout),
+                                  dy.dtype)
     return _emit("jk_conv2d_bwd_weight", "backward_weight", conv, result, (dy, x),
-                 (N, C, H, W, K) + kernel_rs + (P, Q))
+                 (N, C, H, W, K) + tuple(kernel_rs) + (P, Q))
 
 
 def _wgrad_jvp(primals, tangents, *, conv, kernel_rs):
@@ -343,36 +415,39 @@ def _wgrad_jvp(primals, tangents, *, conv, kernel_rs):
 def _wgrad_transpose(ct, dy, x, *, conv, kernel_rs):
     if is_linear(dy):
         return [_FWD(x, ct, _no_bias(ct.dtype), conv=conv), None]
-    return [None, _DGRAD(dy, ct, conv=conv, input_hw=tuple(aval(x).shape[2:]))]
+    return [None, _DGRAD(dy, ct, conv=conv, input_hw=_hw(aval(x).shape, conv.layout))]
 
 
-def _bgrad_shape(dy):
-    """dy [N, K, P, Q] -> db [K], or with one leading batch dimension [B, N, K, P, Q] -> [B, K]."""
-    return dy.shape[:-4] + (dy.shape[-3],), dy.dtype
+def _bgrad_shape(dy, *, layout):
+    """dy [N, K, P, Q] -> db [K], or with one leading batch dimension [B, N, K, P, Q] -> [B, K]
+    (NHWC: dy [(B,) N, P, Q, K])."""
+    return dy.shape[:-4] + (dy.shape[-3] if layout == "NCHW" else dy.shape[-1],), dy.dtype
 
 
-def _bgrad_emit(dy):
-    result = jax.ShapeDtypeStruct(*_bgrad_shape(dy))
-    return _ffi.call("jk_conv2d_bwd_bias", result, dy)
+def _bgrad_emit(dy, *, layout):
+    result = jax.ShapeDtypeStruct(*_bgrad_shape(dy, layout=layout))
+    return _ffi.call(_target("jk_conv2d_bwd_bias", layout), result, dy)
 
 
-def _bgrad_transpose(ct, dy):
-    return [_BIAS(ct, shape=tuple(aval(dy).shape))]
+def _bgrad_transpose(ct, dy, *, layout):
+    return [_BIAS(ct, shape=tuple(aval(dy).shape), layout=layout)]
 
 
 # The bias added to every output position: the transpose of the bias gradient (a broadcast, not
 # a kernel; a primitive so that its own transpose is the bias gradient kernel).
-def _bias_shape(b, *, shape):
+def _bias_shape(b, *, shape, layout):
     return shape, b.dtype
 
 
-def _bias_emit(b, *, shape):
-    return jnp.broadcast_to(b[..., None, :, None, None], shape)
+def _bias_emit(b, *, shape, layout):
+    if layout == "NCHW":
+        return jnp.broadcast_to(b[..., None, :, None, None], shape)
+    return jnp.broadcast_to(b[..., None, None, None, :], shape)
 
 
-def _bias_batched(batch, operands, in_batched, *, shape):
+def _bias_batched(batch, operands, in_batched, *, shape, layout):
     (b,) = operands
-    return _BIAS(b, shape=(batch,) + shape), True
+    return _BIAS(b, shape=(batch,) + shape, layout=layout), True
 
 
 # --- FFI calls ---------------------------------------------------------------------------------
@@ -389,16 +464,22 @@ def _emit(target: str, pass_: str, conv: _Attrs, result: jax.ShapeDtypeStruct, o
         extents = dict(zip(("N", "C", "H", "W", "K", "R", "S", "P", "Q"), problem))
         nbytes = _ffi.query("conv2d_scratch", **{"pass": _ffi.ENUMS["ConvPass"][pass_]},
                             dtype=_ffi.ENUMS["ConvDtype"][np.dtype(result.dtype).name],
+                            layout=_ffi.ENUMS["ConvLayout"][conv.layout],
                             **extents, **conv.ffi_attributes())
         if nbytes < 0:
             raise RuntimeError(f"{_OP}(): the CUDA module rejected the problem {problem}")
         return nbytes
 
-    return _ffi.call_with_cuda_scratch(target, result, *operands, scratch_bytes=scratch_bytes,
-                                       **conv.ffi_attributes())
+    return _ffi.call_with_cuda_scratch(_target(target, conv.layout), result, *operands,
+                                       scratch_bytes=scratch_bytes, **conv.ffi_attributes())
 
 
 # --- batching: every rule folds the vmapped axis into the kernel's batch or its groups ----------
+# The folds move the vmapped axis B (leading) into one axis of the unbatched operand, either as
+# its major part (`_fold`: [B, ..., C, ...] -> [..., B*C, ...]) or inside its groups
+# (`_fold_groups`: channel (b, j, c) -> (j, b, c) for g groups). The axes depend on the layout:
+# channels at 1 (NCHW) or 3 (NHWC), filters at 0 (KCRS) or 3 (HWIO), a filter's input channels
+# at 1 or 2.
 
 
 def _merge_leading(x):
@@ -411,19 +492,38 @@ def _split_leading(x, batch: int):
     return x.reshape((batch, x.shape[0] // batch) + x.shape[1:])
 
 
-def _channels_to_front(x, batch: int):
-    """[B, N, C, ...] -> [N, B * C, ...]: example b's channels become channel block b."""
-    return jnp.swapaxes(x, 0, 1).reshape((x.shape[1], batch * x.shape[2]) + x.shape[3:])
+def _fold(x, axis: int):
+    """[B, ...] -> the unbatched shape with axis `axis` (of size C) now B * C, b major."""
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
 
 
-def _channels_to_batch(x, batch: int):
-    """[N, B * C, ...] -> [B, N, C, ...], the inverse of _channels_to_front."""
-    n, bc = x.shape[:2]
-    return jnp.swapaxes(x.reshape((n, batch, bc // batch) + x.shape[2:]), 0, 1)
+def _unfold(x, batch: int, axis: int):
+    """The inverse of _fold."""
+    x = x.reshape(x.shape[:axis] + (batch, x.shape[axis] // batch) + x.shape[axis + 1:])
+    return jnp.moveaxis(x, axis, 0)
+
+
+def _fold_groups(x, batch: int, groups: int, axis: int):
+    """[B, ...] -> axis `axis` (g groups of c) becomes g groups of B * c: (b, j, c) -> (j, b, c)."""
+    x = jnp.moveaxis(x, 0, axis)  # [..., B, g * c, ...]
+    size = x.shape[axis + 1]
+    x = x.reshape(x.shape[:axis] + (batch, groups, size // groups) + x.shape[axis + 2:])
+    x = jnp.swapaxes(x, axis, axis + 1)
+    return x.reshape(x.shape[:axis] + (batch * size,) + x.shape[axis + 3:])
+
+
+def _unfold_groups(x, batch: int, groups: int, axis: int):
+    """The inverse of _fold_groups: axis `axis` of (j, b, c) -> [B, ...] with axis (j, c)."""
+    size = x.shape[axis] // batch
+    x = x.reshape(x.shape[:axis] + (groups, batch, size // groups) + x.shape[axis + 1:])
+    x = jnp.swapaxes(x, axis, axis + 1)
+    x = x.reshape(x.shape[:axis] + (batch, size) + x.shape[axis + 3:])
+    return jnp.moveaxis(x, axis, 0)
 
 
 def _forward_batched(batch, operands, in_batched, *, conv):
-    """x [N, C, H, W], w [K, C/g, R, S], b [K] or [0] -> y [N, K, P, Q]."""
+    """x [N, C, H, W], w [K, C/g, R, S], b [K] or [0] -> y [N, K, P, Q] (or NHWC/HWIO)."""
     x, w, b = operands
     x_batched, w_batched, b_batched = in_batched
     if b.shape[-1] == 0:  # no bias (or no filters): nothing to batch
@@ -436,102 +536,95 @@ def _forward_batched(batch, operands, in_batched, *, conv):
     has_bias = b.shape[-1] > 0
     if has_bias and not b_batched:
         b = jnp.broadcast_to(b, (batch,) + b.shape)
-    K, Cg, R, S = w.shape[1:]
+    K = _w_dims(w.shape[1:], conv.layout)[0]
     g = conv.groups
+    ca, fa = _channel_axis(conv.layout), _filter_axis(conv.layout)
     if x_batched:
         # Example b's channels and filters become groups b*g .. b*g + g - 1.
         b_folded = b.reshape(batch * K) if has_bias else b
-        y = _FWD(_channels_to_front(x, batch), w.reshape(batch * K, Cg, R, S), b_folded,
-                 conv=conv.with_groups(batch * g))
-        return _channels_to_batch(y, batch), True
+        y = _FWD(_fold(x, ca), _fold(w, fa), b_folded, conv=conv.with_groups(batch * g))
+        return _unfold(y, batch, ca), True
     # A shared input: every example's filters of group j go to group j.
     Kg = K // g
-    w_folded = jnp.swapaxes(w.reshape(batch, g, Kg, Cg, R, S), 0, 1)
     b_folded = jnp.swapaxes(b.reshape(batch, g, Kg), 0, 1).reshape(-1) if has_bias else b
-    y = _FWD(x, w_folded.reshape(g * batch * Kg, Cg, R, S), b_folded, conv=conv)
-    N, _, P, Q = y.shape
-    y = y.reshape(N, g, batch, Kg, P, Q).transpose(2, 0, 1, 3, 4, 5)
-    return y.reshape(batch, N, K, P, Q), True
+    y = _FWD(x, _fold_groups(w, batch, g, fa), b_folded, conv=conv)
+    return _unfold_groups(y, batch, g, ca), True
 
 
 def _dgrad_batched(batch, operands, in_batched, *, conv, input_hw):
-    """dy [N, K, P, Q], w [K, C/g, R, S] -> dx [N, C, H, W]."""
+    """dy [N, K, P, Q], w [K, C/g, R, S] -> dx [N, C, H, W] (or NHWC/HWIO)."""
     dy, w = operands
     dy_batched, w_batched = in_batched
     if not w_batched:
         return _split_leading(_DGRAD(_merge_leading(dy), w, conv=conv, input_hw=input_hw),
                               batch), True
-    K, Cg, R, S = w.shape[1:]
     g = conv.groups
+    ca, fa, ia = _channel_axis(conv.layout), _filter_axis(conv.layout), _in_channel_axis(conv.layout)
     if dy_batched:
-        dx = _DGRAD(_channels_to_front(dy, batch), w.reshape(batch * K, Cg, R, S),
-                    conv=conv.with_groups(batch * g), input_hw=input_hw)
-        return _channels_to_batch(dx, batch), True
+        dx = _DGRAD(_fold(dy, ca), _fold(w, fa), conv=conv.with_groups(batch * g),
+                    input_hw=input_hw)
+        return _unfold(dx, batch, ca), True
     # A shared output gradient: example b's weights give input channels (j, b, c) of group j.
-    Kg = K // g
-    w_folded = w.reshape(batch, g, Kg, Cg, R, S).transpose(1, 2, 0, 3, 4, 5)
-    dx = _DGRAD(dy, w_folded.reshape(K, batch * Cg, R, S), conv=conv, input_hw=input_hw)
-    N = dx.shape[0]
-    dx = dx.reshape((N, g, batch, Cg) + input_hw).transpose(2, 0, 1, 3, 4, 5)
-    return dx.reshape((batch, N, g * Cg) + input_hw), True
+    dx = _DGRAD(dy, _fold(w, ia), conv=conv, input_hw=input_hw)
+    return _unfold_groups(dx, batch, g, ca), True
 
 
 def _wgrad_batched(batch, operands, in_batched, *, conv, kernel_rs):
-    """dy [N, K, P, Q], x [N, C, H, W] -> dw [K, C/g, R, S]."""
+    """dy [N, K, P, Q], x [N, C, H, W] -> dw [K, C/g, R, S] (or NHWC/HWIO)."""
     dy, x = operands
     dy_batched, x_batched = in_batched
     g = conv.groups
+    ca, fa, ia = _channel_axis(conv.layout), _filter_axis(conv.layout), _in_channel_axis(conv.layout)
     if dy_batched and x_batched:
-        dw = _WGRAD(_channels_to_front(dy, batch), _channels_to_front(x, batch),
-                    conv=conv.with_groups(batch * g), kernel_rs=kernel_rs)
-        return dw.reshape((batch, dw.shape[0] // batch) + dw.shape[1:]), True
+        dw = _WGRAD(_fold(dy, ca), _fold(x, ca), conv=conv.with_groups(batch * g),
+                    kernel_rs=kernel_rs)
+        return _unfold(dw, batch, fa), True
     if dy_batched:
         # A shared input: example b's filters of group j become filters (j, b, k) of group j.
-        _, N, K, P, Q = dy.shape
-        Kg = K // g
-        dy_folded = dy.reshape(batch, N, g, Kg, P, Q).transpose(1, 2, 0, 3, 4, 5)
-        dw = _WGRAD(dy_folded.reshape(N, g * batch * Kg, P, Q), x, conv=conv,
-                    kernel_rs=kernel_rs)
-        dw = jnp.swapaxes(dw.reshape((g, batch, Kg) + dw.shape[1:]), 0, 1)
-        return dw.reshape((batch, K) + dw.shape[3:]), True
+        dw = _WGRAD(_fold_groups(dy, batch, g, ca), x, conv=conv, kernel_rs=kernel_rs)
+        return _unfold_groups(dw, batch, g, fa), True
     # A shared output gradient: example b's channels of group j become (j, b, c).
-    _, N, C, H, W = x.shape
-    Cg = C // g
-    x_folded = x.reshape(batch, N, g, Cg, H, W).transpose(1, 2, 0, 3, 4, 5)
-    dw = _WGRAD(dy, x_folded.reshape(N, g * batch * Cg, H, W), conv=conv, kernel_rs=kernel_rs)
-    K = dw.shape[0]
-    return jnp.swapaxes(dw.reshape((K, batch, Cg) + kernel_rs), 0, 1), True
+    dw = _WGRAD(dy, _fold_groups(x, batch, g, ca), conv=conv, kernel_rs=kernel_rs)
+    return _unfold(dw, batch, ia), True
 
 
-def _bgrad_batched(batch, operands, in_batched):
+def _bgrad_batched(batch, operands, in_batched, *, layout):
     (dy,) = operands
     if dy.ndim == 6:  # already carries the kernel's own batch dimension: merge the two
-        return _BGRAD(_merge_leading(dy)).reshape(dy.shape[:2] + (dy.shape[3],)), True
-    return _BGRAD(dy), True
+        k = dy.shape[3] if layout == "NCHW" else dy.shape[5]
+        return _BGRAD(_merge_leading(dy), layout=layout).reshape(dy.shape[:2] + (k,)), True
+    return _BGRAD(dy, layout=layout), True
 
 
 # --- partitioning under sharded jit: the batch stays sharded, the weights are replicated; the
 # weight and bias gradients of a sharded batch are local passes summed over the shards.
 _N = frozenset({"n"})
-_X, _W, _Y = ("n", "c", "h", "w"), ("k", "cg", "r", "s"), ("n", "k", "p", "q")
+_LETTERS = {  # (x, w, y) dimension letters per layout
+    "NCHW": (("n", "c", "h", "w"), ("k", "cg", "r", "s"), ("n", "k", "p", "q")),
+    "NHWC": (("n", "h", "w", "c"), ("r", "s", "cg", "k"), ("n", "p", "q", "k")),
+}
 
 
 def _forward_sharding(x, w, b, *, conv):
-    return _partition.Spec((_X, _W, ("kb",)), _Y, _N)
+    X, W, Y = _LETTERS[conv.layout]
+    return _partition.Spec((X, W, ("kb",)), Y, _N)
 
 
 def _dgrad_sharding(dy, w, *, conv, input_hw):
-    return _partition.Spec((_Y, _W), _X, _N)
+    X, W, Y = _LETTERS[conv.layout]
+    return _partition.Spec((Y, W), X, _N)
 
 
 def _wgrad_sharding(dy, x, *, conv, kernel_rs):
-    return _partition.Spec((_Y, _X), _W, _N)
+    X, W, Y = _LETTERS[conv.layout]
+    return _partition.Spec((Y, X), W, _N)
 
 
-def _bgrad_sharding(dy):
+def _bgrad_sharding(dy, *, layout):
+    Y = _LETTERS[layout][2]
     if dy.ndim == 5:  # [B, N, K, P, Q] -> [B, K]
-        return _partition.Spec((("b",) + _Y,), ("b", "k"), frozenset({"b", "n"}))
-    return _partition.Spec((_Y,), ("k",), _N)
+        return _partition.Spec((("b",) + Y,), ("b", "k"), frozenset({"b", "n"}))
+    return _partition.Spec((Y,), ("k",), _N)
 
 
 _FWD = Kernel("jk_conv2d_fwd", shape=_forward_shape, emit=_forward_emit, batch=_forward_batched,
@@ -544,17 +637,20 @@ _WGRAD = Kernel("jk_conv2d_bwd_weight", shape=_wgrad_shape, emit=_wgrad_emit,
                 sharding=_wgrad_sharding)
 _BGRAD = Kernel("jk_conv2d_bwd_bias", shape=_bgrad_shape, emit=_bgrad_emit,
                 batch=_bgrad_batched,
-                jvp=lambda primals, tangents: None if is_zero(tangents[0]) else _BGRAD(tangents[0]),
+                jvp=lambda primals, tangents, **p: None if is_zero(tangents[0])
+                else _BGRAD(tangents[0], **p),
                 transpose=_bgrad_transpose, sharding=_bgrad_sharding)
 _BIAS = Kernel("jk_conv2d_bias", shape=_bias_shape, emit=_bias_emit, batch=_bias_batched,
                jvp=lambda primals, tangents, **p: None if is_zero(tangents[0])
                else _BIAS(tangents[0], **p),
-               transpose=lambda ct, b, **p: [_bias_gradient(ct)])
+               transpose=lambda ct, b, **p: [_bias_gradient(ct, p["layout"])])
 
 
-def _bias_gradient(dy):
-    """The bias gradient of dy [..., N, K, P, Q] with any number of leading batch axes."""
+def _bias_gradient(dy, layout: str):
+    """The bias gradient of dy [..., N, K, P, Q] (NHWC: [..., N, P, Q, K]) with any number of
+    leading batch axes."""
     if dy.ndim <= 5:
-        return _BGRAD(dy)
+        return _BGRAD(dy, layout=layout)
     lead = dy.shape[:-4]
-    return _BGRAD(dy.reshape((-1,) + dy.shape[-4:])).reshape(lead + (dy.shape[-3],))
+    k = dy.shape[-3] if layout == "NCHW" else dy.shape[-1]
+    return _BGRAD(dy.reshape((-1,) + dy.shape[-4:]), layout=layout).reshape(lead + (k,))

@@ -140,11 +140,14 @@ int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
 // Copies source rows [row_begin, row_begin + rows) of a plane into `out` as padded rows of
 // `phases * phase_len` elements: padded column j (source column col_begin + j) goes to
-// phase j % phases, position j / phases. Everything outside the source reads as zero.
+// phase j % phases, position j / phases. Everything outside the source reads as zero. Source
+// element (y, x) is plane[y * row_stride + x * col_stride] (col_stride 1: NCHW planes; the
+// channel count: a channel of NHWC).
 template <class T, class A>
-void fill_padded_rows(const CpuLoops<A>& isa, const T* plane, int64_t source_rows,
-                      int64_t source_cols, int64_t row_begin, int64_t rows, int64_t col_begin,
-                      int64_t phases, int64_t phase_len, A* out) {
+void fill_padded_rows(const CpuLoops<A>& isa, const T* plane, int64_t row_stride,
+                      int64_t col_stride, int64_t source_rows, int64_t source_cols,
+                      int64_t row_begin, int64_t rows, int64_t col_begin, int64_t phases,
+                      int64_t phase_len, A* out) {
   const int64_t width = phases * phase_len;
   const int64_t inside_begin = std::clamp<int64_t>(-col_begin, 0, width);
   const int64_t inside_end = std::clamp<int64_t>(source_cols - col_begin, inside_begin, width);
@@ -154,24 +157,24 @@ void fill_padded_rows(const CpuLoops<A>& isa, const T* plane, int64_t source_row
   std::fill(out, out + first * width, A(0));
   std::fill(out + last * width, out + rows * width, A(0));
   if constexpr (std::is_same_v<T, A>) {
-    if (phases == 1) {
-      isa.copy_padded_rows(plane + (row_begin + first) * source_cols + col_begin + inside_begin,
-                           source_cols, last - first, inside_begin, inside_end - inside_begin,
+    if (phases == 1 && col_stride == 1) {
+      isa.copy_padded_rows(plane + (row_begin + first) * row_stride + col_begin + inside_begin,
+                           row_stride, last - first, inside_begin, inside_end - inside_begin,
                            width, out + first * width);
       return;
     }
   }
   for (int64_t t = first; t < last; ++t) {
     A* row = out + t * width;
-    const T* in = plane + (row_begin + t) * source_cols + col_begin;
+    const T* in = plane + (row_begin + t) * row_stride + col_begin * col_stride;
     if (phases == 1) {
       std::fill(row, row + inside_begin, A(0));
-      for (int64_t j = inside_begin; j < inside_end; ++j) row[j] = to_acc(in[j]);
+      for (int64_t j = inside_begin; j < inside_end; ++j) row[j] = to_acc(in[j * col_stride]);
       std::fill(row + inside_end, row + width, A(0));
     } else {
       std::fill(row, row + width, A(0));
       for (int64_t j = inside_begin; j < inside_end; ++j)
-        row[(j % phases) * phase_len + j / phases] = to_acc(in[j]);
+        row[(j % phases) * phase_len + j / phases] = to_acc(in[j * col_stride]);
     }
   }
 }
@@ -213,6 +216,7 @@ struct StencilPass {
   int64_t N, groups, in_per_group, out_per_group;
   StencilAxis rows, cols;
   StencilWeights weight_map;
+  TensorStrides source_at, out_at;  // (n, channel, row, column) of the source and the output
 };
 
 // ---- Geometries whose padding, dilation or stride dwarf the tensors -----------------------------
@@ -265,14 +269,14 @@ void run_stencil_direct(const StencilPass<T>& s) {
   using A = acc_t<T>;
   const int64_t Ig = s.in_per_group, Og = s.out_per_group;
   const int64_t out_rows = s.rows.out, out_cols = s.cols.out, out_plane = out_rows * out_cols;
-  const int64_t source_plane = s.rows.source * s.cols.source;
+  const TensorStrides& src = s.source_at;
   const int64_t work = std::max<int64_t>(1, out_plane * Ig * s.rows.taps * s.cols.taps);
   parallel_for(s.N * s.groups * Og, std::max<int64_t>(1, (int64_t(1) << 16) / work),
                [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / (s.groups * Og), g = item / Og % s.groups, o = item % Og;
-      const T* source = s.source + (n * s.groups + g) * Ig * source_plane;
-      T* out = s.out + ((n * s.groups + g) * Og + o) * out_plane;
+      const T* source = s.source + src.at(n, g * Ig, 0, 0);
+      T* out = s.out + s.out_at.at(n, g * Og + o, 0, 0);
       const A bias = s.bias ? to_acc(s.bias[g * Og + o]) : A(0);
       for (int64_t y = 0; y < out_rows; ++y)
         for (int64_t x = 0; x < out_cols; ++x) {
@@ -285,10 +289,10 @@ void run_stencil_direct(const StencilPass<T>& s) {
                 const int64_t sx = s.cols.sample(s.cols.position(x, tx));
                 if (sx < 0) continue;
                 sum += to_acc(s.weights[s.weight_map.offset(g, o, i, ty, tx)]) *
-                       to_acc(source[i * source_plane + sy * s.cols.source + sx]);
+                       to_acc(source[src.at(0, i, sy, sx)]);
               }
             }
-          out[y * out_cols + x] = from_acc<T>(sum);
+          out[s.out_at.at(0, 0, y, x)] = from_acc<T>(sum);
         }
     }
   });
@@ -389,7 +393,10 @@ void run_stencil_pass(const StencilPass<T>& s) {
   const int64_t bands = ceil_div(phase_rows, band);
   const int64_t out_rows = s.rows.out, out_cols = s.cols.out;
   const int64_t out_plane = out_rows * out_cols;
-  constexpr bool kStaged = !std::is_same_v<T, A>;  // half types: compute in A, then convert
+  // Half types compute in A, then convert; so does channels-last output, whose scattered
+  // stores the copy out makes once per element.
+  const TensorStrides &src = s.source_at, &dst = s.out_at;
+  const bool staged_out = !std::is_same_v<T, A> || dst.d != 1;
 
   const int64_t items = s.N * s.groups * bands;
   const int64_t work = std::max<int64_t>(1, Og * Ig * band * out_cols * s.rows.taps * s.cols.taps);
@@ -397,19 +404,18 @@ void run_stencil_pass(const StencilPass<T>& s) {
                [&](int64_t begin, int64_t end) {
     const int64_t buffer_rows = band_source_rows(band);
     std::vector<A> buffer(std::max<int64_t>(Ig, 1) * buffer_rows * row_pitch);
-    std::vector<A> staged(kStaged ? Og * band * up_y * out_cols : 0);
+    std::vector<A> staged(staged_out ? Og * band * up_y * out_cols : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / (s.groups * bands);
       const int64_t g = item / bands % s.groups;
       const int64_t b0 = item % bands * band;
       const int64_t b1 = std::min(b0 + band, phase_rows);
       const int64_t rows = band_source_rows(b1 - b0);
-      const int64_t source_plane = s.rows.source * s.cols.source;
       for (int64_t i = 0; i < Ig; ++i)
-        fill_padded_rows(isa, s.source + ((n * s.groups + g) * Ig + i) * source_plane,
+        fill_padded_rows(isa, s.source + src.at(n, g * Ig + i, 0, 0), src.c, src.d,
                          s.rows.source, s.cols.source, b0 * rs + row_min, rows, col_min, cs,
                          phase_len, buffer.data() + i * rows * row_pitch);
-      T* out_group = s.out + (n * s.groups + g) * Og * out_plane;
+      T* out_group = s.out + dst.at(n, g * Og, 0, 0);
       for (int64_t py = 0; py < up_y; ++py) {
         const int64_t rows_in_band = std::min(b1, s.rows.phase_outputs(py)) - b0;
         if (rows_in_band <= 0) continue;
@@ -430,10 +436,10 @@ void run_stencil_pass(const StencilPass<T>& s) {
           tile.weights = packed.data() + g * group_weights + phase_base[py * up_x + px];
           tile.weight_stride = Ig * tile.row_taps * tile.col_taps;
           StencilOutput<A> out;
-          if constexpr (kStaged) {
+          if (staged_out) {
             out.out = staged.data() + py * out_cols + px;
             out.channel_pitch = band * up_y * out_cols;
-          } else {
+          } else if constexpr (std::is_same_v<T, A>) {
             out.out = out_group + (b0 * up_y + py) * out_cols + px;
             out.channel_pitch = out_plane;
           }
@@ -446,14 +452,24 @@ void run_stencil_pass(const StencilPass<T>& s) {
           isa.stencil_phase(tile, out);
         }
       }
-      if constexpr (kStaged) {
+      if (staged_out) {
         const int64_t first = b0 * up_y, last = std::min(b1 * up_y, out_rows);
-        for (int64_t o = 0; o < Og; ++o)
-          for (int64_t y = first; y < last; ++y) {
-            const A* in = staged.data() + (o * band * up_y + (y - first)) * out_cols;
-            T* dst = out_group + o * out_plane + y * out_cols;
-            for (int64_t x = 0; x < out_cols; ++x) dst[x] = from_acc<T>(in[x]);
-          }
+        if (dst.d == 1) {
+          for (int64_t o = 0; o < Og; ++o)
+            for (int64_t y = first; y < last; ++y) {
+              const A* in = staged.data() + (o * band * up_y + (y - first)) * out_cols;
+              T* row = out_group + o * dst.b + y * dst.c;
+              for (int64_t x = 0; x < out_cols; ++x) row[x] = from_acc<T>(in[x]);
+            }
+        } else {  // channels last: channels innermost in the output
+          const int64_t channel_pitch = band * up_y * out_cols;
+          for (int64_t y = first; y < last; ++y)
+            for (int64_t x = 0; x < out_cols; ++x) {
+              const A* in = staged.data() + (y - first) * out_cols + x;
+              T* pixel = out_group + y * dst.c + x * dst.d;
+              for (int64_t o = 0; o < Og; ++o) pixel[o * dst.b] = from_acc<T>(in[o * channel_pitch]);
+            }
+        }
       }
     }
   });
@@ -467,6 +483,7 @@ template <class T>
 void run_weight_gradient_direct(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   using A = acc_t<T>;
   const int64_t Kg = p.filters_per_group(), Cg = p.channels_per_group();
+  const TensorStrides xs = p.input_strides(), ys = p.output_strides(), ws = p.filter_strides();
   const int64_t work = std::max<int64_t>(1, p.N * p.P * p.Q);
   parallel_for(p.K * Cg * p.R * p.S, std::max<int64_t>(1, (int64_t(1) << 16) / work),
                [&](int64_t begin, int64_t end) {
@@ -475,19 +492,19 @@ void run_weight_gradient_direct(const T* dy, const T* x, T* dw, const ConvProble
       const int64_t k = item / (Cg * p.R * p.S), g = k / Kg;
       A sum = A(0);
       for (int64_t n = 0; n < p.N; ++n) {
-        const T* dy_plane = dy + (n * p.K + k) * p.P * p.Q;
-        const T* x_plane = x + (n * p.C + g * Cg + c) * p.H * p.W;
+        const T* dy_plane = dy + ys.at(n, k, 0, 0);
+        const T* x_plane = x + xs.at(n, g * Cg + c, 0, 0);
         for (int64_t y = 0; y < p.P; ++y) {
           const int64_t iy = y * p.stride_h + r * p.dilation_h - p.pad_top;
           if (iy < 0 || iy >= p.H) continue;
           for (int64_t q = 0; q < p.Q; ++q) {
             const int64_t ix = q * p.stride_w + s * p.dilation_w - p.pad_left;
             if (ix < 0 || ix >= p.W) continue;
-            sum += to_acc(dy_plane[y * p.Q + q]) * to_acc(x_plane[iy * p.W + ix]);
+            sum += to_acc(dy_plane[ys.at(0, 0, y, q)]) * to_acc(x_plane[xs.at(0, 0, iy, ix)]);
           }
         }
       }
-      dw[item] = from_acc<T>(sum);
+      dw[ws.at(k, c, r, s)] = from_acc<T>(sum);
     }
   });
 }
@@ -510,6 +527,7 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
       return run_weight_gradient_direct(dy, x, dw, p);
   }
   const int64_t cols = round_up(p.Q, isa.lanes);
+  const TensorStrides xs = p.input_strides(), ys = p.output_strides(), ws = p.filter_strides();
   // Images are reduced in slices fixed by the shapes (never by the thread count), then the
   // slices are added in order. A slice spans at least 4096 output positions, so that the
   // vector lanes' final sums cost little.
@@ -555,15 +573,15 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
         for (int64_t n = 0; n < images; ++n)
           for (int64_t k = 0; k < Kg; ++k)
             for (int64_t row = 0; row < p.P; ++row) {
-              const T* in = dy + ((((first + n) * p.K) + g * Kg + k) * p.P + row) * p.Q;
+              const T* in = dy + ys.at(first + n, g * Kg + k, row, 0);
               A* out = dy_buffer.data() + ((n * Kg + k) * p.P + row) * cols;
-              for (int64_t q = 0; q < p.Q; ++q) out[q] = to_acc(in[q]);
+              for (int64_t q = 0; q < p.Q; ++q) out[q] = to_acc(in[q * ys.d]);
             }
       }
       const int64_t channels = std::min(channel_block, Cg - c0);
       for (int64_t n = 0; n < images; ++n)
         for (int64_t c = 0; c < channels; ++c)
-          fill_padded_rows(isa, x + (((first + n) * p.C) + g * Cg + c0 + c) * p.H * p.W, p.H,
+          fill_padded_rows(isa, x + xs.at(first + n, g * Cg + c0 + c, 0, 0), xs.c, xs.d, p.H,
                            p.W, -p.pad_top, x_rows, -p.pad_left, p.stride_w, phase_len,
                            x_buffer.data() + (n * channel_block + c) * x_plane);
       WeightGradientBlock<A> block;
@@ -584,11 +602,12 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
                           Cg * RS);
     }
   });
+  // The partials are [K][Cg][R][S]; dw is that (KCRS) or [R][S][Cg][K] (HWIO).
   parallel_for(weights, 1 << 14, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       A sum = partial[i];
       for (int64_t slice = 1; slice < slices; ++slice) sum += partial[slice * weights + i];
-      dw[i] = from_acc<T>(sum);
+      dw[ws.at(i / (Cg * RS), i / RS % Cg, i / p.S % p.R, i % p.S)] = from_acc<T>(sum);
     }
   });
 }
@@ -620,13 +639,47 @@ void run_bias_gradient(const T* dy, T* db, int64_t batch, int64_t N, int64_t K, 
   });
 }
 
+// Channels last: db[b, k] = sum over rows (n, p, q) of dy[b, row, k], rows r = l mod 16 summed
+// into partial l, then the 16 partials in order (as above, interleaved by row instead of by
+// element), for blocks of 64 filters at a time.
+template <class T>
+void run_bias_gradient_channels_last(const T* dy, T* db, int64_t batch, int64_t rows,
+                                     int64_t K) {
+  using A = acc_t<T>;
+  constexpr int kLanes = 16;
+  constexpr int64_t kBlock = 64;
+  const int64_t blocks = ceil_div(K, kBlock);
+  parallel_for(batch * blocks, std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, rows * kBlock)),
+               [&](int64_t begin, int64_t end) {
+    std::vector<A> lanes(kLanes * kBlock);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / blocks, k0 = item % blocks * kBlock;
+      const int64_t width = std::min(kBlock, K - k0);
+      std::fill(lanes.begin(), lanes.end(), A(0));
+      const T* in = dy + b * rows * K + k0;
+      for (int64_t r = 0; r < rows; ++r) {
+        A* lane = lanes.data() + (r % kLanes) * kBlock;
+        const T* row = in + r * K;
+        for (int64_t k = 0; k < width; ++k) lane[k] += to_acc(row[k]);
+      }
+      for (int64_t k = 0; k < width; ++k) {
+        A sum = lanes[k];
+        for (int l = 1; l < kLanes; ++l) sum += lanes[l * kBlock + k];
+        db[b * K + k0 + k] = from_acc<T>(sum);
+      }
+    }
+  });
+}
+
 // ---- Handlers -----------------------------------------------------------------------------------
 
 // `precision` selects TF32 on CUDA tensor cores only: the CPU always computes in full precision.
+// Each handler serves both layouts (the jk_conv2d_* and jk_conv2d_nhwc_* targets).
+template <ConvLayout L>
 ffi::Error conv2d_forward(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias,
                           ffi::Result<ffi::AnyBuffer> y, ConvAttrs a) {
   ConvProblem p{};
-  if (auto error = conv2d_problem("conv2d", a, x, w, *y, &p); error.failure()) return error;
+  if (auto error = conv2d_problem("conv2d", a, x, w, *y, &p, L); error.failure()) return error;
   if (auto error = conv2d_bias_check(bias, x, p.K); error.failure()) return error;
   const bool has_bias = bias.element_count() > 0;
   if (y->element_count() == 0) return ffi::Error::Success();
@@ -636,15 +689,18 @@ ffi::Error conv2d_forward(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bia
         static_cast<const T*>(x.untyped_data()), static_cast<const T*>(w.untyped_data()),
         has_bias ? static_cast<const T*>(bias.untyped_data()) : nullptr,
         static_cast<T*>(y->untyped_data()), p.N, p.groups, p.channels_per_group(),
-        p.filters_per_group(), forward_rows(p), forward_cols(p), forward_weights(p)});
+        p.filters_per_group(), forward_rows(p), forward_cols(p), forward_weights(p),
+        p.input_strides(), p.output_strides()});
     return ffi::Error::Success();
   });
 }
 
+template <ConvLayout L>
 ffi::Error conv2d_backward_input(ffi::AnyBuffer dy, ffi::AnyBuffer w,
                                  ffi::Result<ffi::AnyBuffer> dx, ConvAttrs a) {
   ConvProblem p{};
-  if (auto error = conv2d_problem("conv2d dgrad", a, *dx, w, dy, &p); error.failure()) return error;
+  if (auto error = conv2d_problem("conv2d dgrad", a, *dx, w, dy, &p, L); error.failure())
+    return error;
   if (dx->element_count() == 0) return ffi::Error::Success();
   return dispatch_float(dy.element_type(), "conv2d dgrad", [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -652,15 +708,17 @@ ffi::Error conv2d_backward_input(ffi::AnyBuffer dy, ffi::AnyBuffer w,
         static_cast<const T*>(dy.untyped_data()), static_cast<const T*>(w.untyped_data()), nullptr,
         static_cast<T*>(dx->untyped_data()), p.N, p.groups, p.filters_per_group(),
         p.channels_per_group(), backward_data_rows(p), backward_data_cols(p),
-        backward_data_weights(p)});
+        backward_data_weights(p), p.output_strides(), p.input_strides()});
     return ffi::Error::Success();
   });
 }
 
+template <ConvLayout L>
 ffi::Error conv2d_backward_weight(ffi::AnyBuffer dy, ffi::AnyBuffer x,
                                   ffi::Result<ffi::AnyBuffer> dw, ConvAttrs a) {
   ConvProblem p{};
-  if (auto error = conv2d_problem("conv2d wgrad", a, x, *dw, dy, &p); error.failure()) return error;
+  if (auto error = conv2d_problem("conv2d wgrad", a, x, *dw, dy, &p, L); error.failure())
+    return error;
   if (dw->element_count() == 0) return ffi::Error::Success();
   return dispatch_float(dy.element_type(), "conv2d wgrad", [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -671,16 +729,23 @@ ffi::Error conv2d_backward_weight(ffi::AnyBuffer dy, ffi::AnyBuffer x,
   });
 }
 
-// dy [N, K, P, Q] -> db [K], or [B, N, K, P, Q] -> [B, K] (a vmapped batch).
+// dy [N, K, P, Q] -> db [K], or [B, N, K, P, Q] -> [B, K] (a vmapped batch); channels last:
+// dy [(B,) N, P, Q, K].
+template <ConvLayout L>
 ffi::Error conv2d_backward_bias(ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> db) {
   int64_t batch, N, K, plane;
-  if (auto error = conv2d_bias_gradient_shape(dy, *db, &batch, &N, &K, &plane); error.failure())
+  if (auto error = conv2d_bias_gradient_shape(dy, *db, &batch, &N, &K, &plane, L);
+      error.failure())
     return error;
   if (db->element_count() == 0) return ffi::Error::Success();
   return dispatch_float(dy.element_type(), "conv2d bias gradient", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    run_bias_gradient(static_cast<const T*>(dy.untyped_data()), static_cast<T*>(db->untyped_data()),
-                      batch, N, K, plane);
+    const T* in = static_cast<const T*>(dy.untyped_data());
+    T* out = static_cast<T*>(db->untyped_data());
+    if constexpr (L == ConvLayout::kNHWC)
+      run_bias_gradient_channels_last(in, out, batch, N * plane, K);
+    else
+      run_bias_gradient(in, out, batch, N, K, plane);
     return ffi::Error::Success();
   });
 }
@@ -692,35 +757,50 @@ JK_CONV2D_REGISTER_ATTRS();
 
 namespace jax_kernels {
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Conv2dForwardCpu, conv2d_forward,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attrs<ConvAttrs>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Conv2dBackwardInputCpu, conv2d_backward_input,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attrs<ConvAttrs>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Conv2dBackwardWeightCpu, conv2d_backward_weight,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attrs<ConvAttrs>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Conv2dBackwardBiasCpu, conv2d_backward_bias,
-                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+#define JK_CONV2D_CPU_HANDLERS(SUFFIX, LAYOUT)                                               \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Conv2dForwardCpu##SUFFIX, conv2d_forward<LAYOUT>,              \
+                                ffi::Ffi::Bind()                                              \
+                                    .Arg<ffi::AnyBuffer>()                                    \
+                                    .Arg<ffi::AnyBuffer>()                                    \
+                                    .Arg<ffi::AnyBuffer>()                                    \
+                                    .Ret<ffi::AnyBuffer>()                                    \
+                                    .Attrs<ConvAttrs>());                                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Conv2dBackwardInputCpu##SUFFIX, conv2d_backward_input<LAYOUT>, \
+                                ffi::Ffi::Bind()                                              \
+                                    .Arg<ffi::AnyBuffer>()                                    \
+                                    .Arg<ffi::AnyBuffer>()                                    \
+                                    .Ret<ffi::AnyBuffer>()                                    \
+                                    .Attrs<ConvAttrs>());                                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Conv2dBackwardWeightCpu##SUFFIX,                              \
+                                conv2d_backward_weight<LAYOUT>,                               \
+                                ffi::Ffi::Bind()                                              \
+                                    .Arg<ffi::AnyBuffer>()                                    \
+                                    .Arg<ffi::AnyBuffer>()                                    \
+                                    .Ret<ffi::AnyBuffer>()                                    \
+                                    .Attrs<ConvAttrs>());                                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Conv2dBackwardBiasCpu##SUFFIX, conv2d_backward_bias<LAYOUT>,   \
+                                ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>())
 
-JK_REGISTER_TARGET("jk_conv2d_fwd", Conv2dForwardCpu, "conv2d", "forward",
+JK_CONV2D_CPU_HANDLERS(Nchw, ConvLayout::kNCHW);
+JK_CONV2D_CPU_HANDLERS(Nhwc, ConvLayout::kNHWC);
+
+JK_REGISTER_TARGET("jk_conv2d_fwd", Conv2dForwardCpuNchw, "conv2d", "forward",
                    "cpu direct stencil (vectorized, padded row buffers)", "bitwise");
-JK_REGISTER_TARGET("jk_conv2d_bwd_input", Conv2dBackwardInputCpu, "conv2d", "backward d_input",
-                   "cpu direct stencil over stride phases", "bitwise");
-JK_REGISTER_TARGET("jk_conv2d_bwd_weight", Conv2dBackwardWeightCpu, "conv2d",
+JK_REGISTER_TARGET("jk_conv2d_bwd_input", Conv2dBackwardInputCpuNchw, "conv2d",
+                   "backward d_input", "cpu direct stencil over stride phases", "bitwise");
+JK_REGISTER_TARGET("jk_conv2d_bwd_weight", Conv2dBackwardWeightCpuNchw, "conv2d",
                    "backward d_weight", "cpu reduction over fixed image slices", "bitwise");
-JK_REGISTER_TARGET("jk_conv2d_bwd_bias", Conv2dBackwardBiasCpu, "conv2d", "backward d_bias",
+JK_REGISTER_TARGET("jk_conv2d_bwd_bias", Conv2dBackwardBiasCpuNchw, "conv2d", "backward d_bias",
                    "cpu ordered sum", "bitwise");
+JK_REGISTER_TARGET("jk_conv2d_nhwc_fwd", Conv2dForwardCpuNhwc, "conv2d", "forward (NHWC)",
+                   "cpu direct stencil, channels-last rows staged per band", "bitwise");
+JK_REGISTER_TARGET("jk_conv2d_nhwc_bwd_input", Conv2dBackwardInputCpuNhwc, "conv2d",
+                   "backward d_input (NHWC)", "cpu direct stencil over stride phases, channels-last",
+                   "bitwise");
+JK_REGISTER_TARGET("jk_conv2d_nhwc_bwd_weight", Conv2dBackwardWeightCpuNhwc, "conv2d",
+                   "backward d_weight (NHWC)", "cpu reduction over fixed image slices, channels-last",
+                   "bitwise");
+JK_REGISTER_TARGET("jk_conv2d_nhwc_bwd_bias", Conv2dBackwardBiasCpuNhwc, "conv2d",
+                   "backward d_bias (NHWC)", "cpu ordered sum over rows", "bitwise");
 
 }  // namespace jax_kernels

@@ -118,4 +118,36 @@ template <class T>
 ffi::Error run_bias_gradient(cudaStream_t stream, const T* dy, T* db, int64_t outputs, int64_t N,
                              int64_t K, int64_t plane);
 
+// ---- Channels last (direct_nhwc.cu): NHWC activations, HWIO weights ---------------------------
+
+// out[n, y, x, g*Og + o] = bias + sum_{i, r, s} w(g, o, i, r, s) * upsampled source at (n, rows
+// position, cols position, g*Ig + i); source and output indexed (n, channel, row, column).
+struct NhwcStencil {
+  StencilAxis rows, cols;
+  StencilWeights weights;
+  TensorStrides source_at, out_at;
+  int64_t N, groups, in_per_group, out_per_group;
+};
+
+NhwcStencil forward_nhwc(const ConvProblem& p);
+NhwcStencil backward_data_nhwc(const ConvProblem& p);
+
+template <class T>
+ffi::Error run_stencil_nhwc(cudaStream_t stream, const char* op, const T* source, const T* weight,
+                            const T* bias, T* out, const NhwcStencil& s);
+
+// The scratch bytes of run_wgrad_nhwc: the partial sums of each slice of output positions.
+template <class T>
+int64_t wgrad_nhwc_scratch_bytes(const ConvProblem& p);
+
+// dw [R, S, C/g, K] from dy [N, P, Q, K] and x [N, H, W, C].
+template <class T>
+ffi::Error run_wgrad_nhwc(cudaStream_t stream, const T* dy, const T* x, T* dw,
+                          const ConvProblem& p, void* scratch, int64_t scratch_bytes);
+
+// db [B, K] from dy [B, rows, K] (rows = N * P * Q).
+template <class T>
+ffi::Error run_bias_gradient_nhwc(cudaStream_t stream, const T* dy, T* db, int64_t batch,
+                                  int64_t rows, int64_t K);
+
 }  // namespace jax_kernels

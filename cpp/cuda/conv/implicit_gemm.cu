@@ -12,6 +12,11 @@
 //   through an NHWC -> NCHW transpose, wgrad through a fixed-order reduction of its split-K
 //   partials straight into KCRS. Unit-stride dgrad is an fprop on flipped, transposed weights;
 //   strided dgrad has its own CUTLASS kernel.
+// Channels-last problems (ConvProblem::layout NHWC, HWIO weights) take the NHWC route with no
+// activation copies: CUTLASS reads x / dy and writes y / dx where they are; only the weights are
+// transformed (HWIO to KRSC, or its flipped transpose for dgrad) and wgrad's split-K partials
+// reduced into HWIO. That needs one group and channel and filter counts that are multiples of the
+// 128-bit access; the direct channels-last kernels run the rest.
 // Every pass is bitwise reproducible: no atomics anywhere, split-K partials go to separate
 // buffers and are summed in a fixed order.
 //
@@ -185,8 +190,11 @@ bool plan_nhwc(const ConvQuery& query, Plan* plan) {
   const int64_t Cg = p.C / G, Kg = p.K / G, Cgp = round_up(Cg, a), Kgp = round_up(Kg, a);
   plan->groups = G, plan->Cg = Cg, plan->Kg = Kg, plan->Cgp = Cgp, plan->Kgp = Kgp;
   if (!fits_int({Cgp, Kgp})) return false;
-  const int64_t x_bytes = G * p.N * p.H * p.W * Cgp * eb;
-  const int64_t y_bytes = G * p.N * p.P * p.Q * Kgp * eb;
+  // Channels last: CUTLASS reads and writes the tensors in place (no activation regions).
+  const bool in_place = p.layout == ConvLayout::kNHWC;
+  if (in_place && (G != 1 || Cgp != Cg || Kgp != Kg)) return false;
+  const int64_t x_bytes = in_place ? 0 : G * p.N * p.H * p.W * Cgp * eb;
+  const int64_t y_bytes = in_place ? 0 : G * p.N * p.P * p.Q * Kgp * eb;
   const int64_t w_bytes = G * Kgp * p.R * p.S * Cgp * eb;
 
   NhwcConv& c = plan->conv;
@@ -263,7 +271,7 @@ Plan make_plan(const ConvQuery& query) {
   plan.element_bytes = half ? 2 : 4;
   plan.alignment = 16 / plan.element_bytes;
   Plan gemm = plan;
-  if (plan_gemm(query, &gemm)) return gemm;
+  if (p.layout == ConvLayout::kNCHW && plan_gemm(query, &gemm)) return gemm;
   Plan nhwc = plan;
   if (plan_nhwc(query, &nhwc)) return nhwc;
   return Plan{};
@@ -308,6 +316,8 @@ struct WeightJob {
   Bits* bias_out;
   int64_t Kg, Cg, R, S, Kgp, Cgp;
   bool flip;
+  bool hwio;  // the weights are HWIO [R][S][Cg][G*Kg] (channels last), else KCRS
+  int64_t groups;
   int64_t weight_count, bias_count;
   int64_t block_begin, blocks;  // blocks == 0: no weight job in this launch
 };
@@ -390,7 +400,8 @@ __device__ void transform_weights(const WeightJob<Bits>& job, int64_t block) {
       const int64_t tap = job.flip ? (job.R - 1 - r) * job.S + (job.S - 1 - s) : r * job.S + s;
       Bits value = 0;
       if (k < job.Kg && c < job.Cg)
-        value = job.w[((g * job.Kg + k) * job.Cg + c) * job.R * job.S + tap];
+        value = job.hwio ? job.w[(tap * job.Cg + c) * job.groups * job.Kg + g * job.Kg + k]
+                         : job.w[((g * job.Kg + k) * job.Cg + c) * job.R * job.S + tap];
       job.out[idx] = value;
     } else {
       const int64_t j = idx - job.weight_count;
@@ -481,6 +492,8 @@ ffi::Error launch_layout(cudaStream_t stream, std::initializer_list<TransposeJob
 // partials, and the per-warp sums are added in warp order, so the result is reproducible.
 struct WgradReduction {
   int64_t Kg, Cg, R, S, Cgp;
+  bool hwio;       // dw is HWIO [R][S][Cg][G*Kg] (channels last), else KCRS
+  int64_t groups;
   int64_t quads;  // G * Kg * R * S * ceil(Cg / 4)
   int64_t slices, slice_stride, group_stride;
 };
@@ -519,6 +532,11 @@ __global__ void __launch_bounds__(kLayoutThreads)
     sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
   }
   const float values[4] = {sum.x, sum.y, sum.z, sum.w};
+  if (r.hwio) {
+    T* out = dw + ((tap_r * r.S + s) * r.Cg + c0) * r.groups * r.Kg + g * r.Kg + k;
+    for (int e = 0; e < 4 && c0 + e < r.Cg; ++e) out[e * r.groups * r.Kg] = from_acc<T>(values[e]);
+    return;
+  }
   T* out = dw + (((g * r.Kg + k) * r.Cg + c0) * r.R + tap_r) * r.S + s;
   for (int e = 0; e < 4 && c0 + e < r.Cg; ++e) out[e * r.R * r.S] = from_acc<T>(values[e]);
 }
@@ -614,10 +632,13 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
   const int64_t w_group = Kgp * p.R * p.S * Cgp * eb;
   NhwcConv c = plan.conv;
 
+  // Channels last: the tensors are used in place (plan_nhwc took one group, no padding).
+  const bool in_place = p.layout == ConvLayout::kNHWC;
   WeightJob<Bits> weights{};
   weights.w = static_cast<const Bits*>(b);
   weights.Kg = Kg, weights.Cg = Cg, weights.R = p.R, weights.S = p.S;
   weights.Kgp = Kgp, weights.Cgp = Cgp;
+  weights.hwio = in_place, weights.groups = G;
   weights.weight_count = G * Kgp * p.R * p.S * Cgp;
 
   switch (query.pass) {
@@ -632,19 +653,21 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
         weights.bias_out = reinterpret_cast<Bits*>(bias_padded);
         weights.bias_count = G * Kgp;
       }
-      if (has(steps, kImplicitGemmLayoutIn))
-        if (ffi::Error e = launch_layout<Bits>(
-                stream, {to_nhwc<Bits>(a, x_nhwc, p.N, G, Cg, input_pixels, Cgp)}, &weights);
-            e.failure())
-          return e;
+      if (has(steps, kImplicitGemmLayoutIn)) {
+        ffi::Error e = in_place ? launch_layout<Bits>(stream, {}, &weights)
+                                : launch_layout<Bits>(
+                                      stream, {to_nhwc<Bits>(a, x_nhwc, p.N, G, Cg, input_pixels, Cgp)},
+                                      &weights);
+        if (e.failure()) return e;
+      }
       for (int64_t g = 0; g < G && has(steps, kImplicitGemmCutlass); ++g) {
-        c.a = x_nhwc + g * x_group;
+        c.a = in_place ? a : x_nhwc + g * x_group;
         c.b = w_krsc + g * w_group;
         c.c = bias != nullptr ? bias_padded + g * Kgp * eb : nullptr;
-        c.d = y_nhwc + g * y_group;
+        c.d = in_place ? out : y_nhwc + g * y_group;
         if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
       }
-      if (!has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
+      if (in_place || !has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
       return launch_layout<Bits>(stream,
                                  {to_nchw<Bits>(y_nhwc, out, p.N, G, output_pixels, Kg, Kgp)});
     }
@@ -654,18 +677,20 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
       char* dx_nhwc = region(base, plan, 2);
       weights.out = reinterpret_cast<Bits*>(w_t);
       weights.flip = plan.dgrad_as_fprop;
-      if (has(steps, kImplicitGemmLayoutIn))
-        if (ffi::Error e = launch_layout<Bits>(
-                stream, {to_nhwc<Bits>(a, dy_nhwc, p.N, G, Kg, output_pixels, Kgp)}, &weights);
-            e.failure())
-          return e;
+      if (has(steps, kImplicitGemmLayoutIn)) {
+        ffi::Error e = in_place ? launch_layout<Bits>(stream, {}, &weights)
+                                : launch_layout<Bits>(
+                                      stream, {to_nhwc<Bits>(a, dy_nhwc, p.N, G, Kg, output_pixels, Kgp)},
+                                      &weights);
+        if (e.failure()) return e;
+      }
       for (int64_t g = 0; g < G && has(steps, kImplicitGemmCutlass); ++g) {
-        c.a = dy_nhwc + g * y_group;
+        c.a = in_place ? a : dy_nhwc + g * y_group;
         c.b = w_t + g * w_group;
-        c.d = dx_nhwc + g * x_group;
+        c.d = in_place ? out : dx_nhwc + g * x_group;
         if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
       }
-      if (!has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
+      if (in_place || !has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
       return launch_layout<Bits>(stream,
                                  {to_nchw<Bits>(dx_nhwc, out, p.N, G, input_pixels, Cg, Cgp)});
     }
@@ -674,7 +699,7 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
       char* dy_nhwc = region(base, plan, 0);
       char* x_nhwc = region(base, plan, 1);
       float* partials = reinterpret_cast<float*>(region(base, plan, 2));
-      if (has(steps, kImplicitGemmLayoutIn))
+      if (has(steps, kImplicitGemmLayoutIn) && !in_place)
         if (ffi::Error e = launch_layout<Bits>(
                 stream, {to_nhwc<Bits>(a, dy_nhwc, p.N, G, Kg, output_pixels, Kgp),
                          to_nhwc<Bits>(b, x_nhwc, p.N, G, Cg, input_pixels, Cgp)});
@@ -682,14 +707,15 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
           return e;
       const int64_t partial_size = Kgp * p.R * p.S * Cgp;
       for (int64_t g = 0; g < G && has(steps, kImplicitGemmCutlass); ++g) {
-        c.a = dy_nhwc + g * y_group;
-        c.b = x_nhwc + g * x_group;
+        c.a = in_place ? a : dy_nhwc + g * y_group;
+        c.b = in_place ? b : x_nhwc + g * x_group;
         c.d = partials + g * c.split_k * partial_size;
         if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
       }
       if (!has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
       WgradReduction r{};
       r.Kg = Kg, r.Cg = Cg, r.R = p.R, r.S = p.S, r.Cgp = Cgp;
+      r.hwio = in_place, r.groups = G;
       r.quads = G * Kg * p.R * p.S * ceil_div(Cg, 4);
       r.slices = c.split_k, r.slice_stride = partial_size, r.group_stride = c.split_k * partial_size;
       return launch_wgrad_reduce(stream, query.dtype, partials, out, r);
@@ -765,6 +791,19 @@ bool implicit_gemm_layout_info(const ConvQuery& query, bool with_bias,
   // NHWC route: the transposes read the valid channels and write the padded ones; the weight
   // transform writes the padded [G][Kgp][R][S][Cgp] (or its flipped transpose).
   const int64_t G = plan.groups, Kgp = plan.Kgp, Cgp = plan.Cgp;
+  if (p.layout == ConvLayout::kNHWC) {  // in place: the weights in, wgrad's reduction out
+    info->in_launches = query.pass == ConvPass::kBackwardWeight ? 0 : 1;
+    info->in_bytes = info->in_launches * 2 * w_count * eb;
+    if (query.pass == ConvPass::kForward && with_bias) info->in_bytes += 2 * p.K * eb;
+    say(info->in_what, info->in_launches ? "weights (HWIO to the kernel's)" : "");
+    if (query.pass == ConvPass::kBackwardWeight) {
+      info->out_launches = 1;
+      info->out_bytes = plan.conv.split_k * w_count * 4 + w_count * eb;
+      say(info->out_what, "reduction of " + std::to_string(plan.conv.split_k) +
+                              " split-K partials into HWIO");
+    }
+    return true;
+  }
   const int64_t x_nhwc = G * p.N * p.H * p.W * Cgp, y_nhwc = G * p.N * p.P * p.Q * Kgp;
   const int64_t w_padded = G * Kgp * p.R * p.S * Cgp;
   const int64_t weight_bytes = (w_count + w_padded) * eb;

@@ -1,5 +1,8 @@
-// conv2d geometry shared by every backend and pass (torch.nn.functional.conv2d semantics, NCHW
-// input, KCRS weight with C/groups input channels per filter, NKPQ output), host and device.
+// conv2d geometry shared by every backend and pass (torch.nn.functional.conv2d semantics), host
+// and device. Two layouts (ConvLayout): NCHW input, KCRS weight with C/groups input channels per
+// filter and NKPQ output (torch); or channels-last NHWC input, HWIO weight [R, S, C/groups, K]
+// and NPQK output (lax.conv with ("NHWC", "HWIO", "NHWC"), Flax). The problem is described by
+// logical extents either way; TensorStrides maps logical indices to elements.
 //
 // The problem description is the interface between the handlers of both backends (cpu/conv.cc,
 // cuda/conv/handlers.cu), the direct kernels and the tensor-core path (cuda/conv/implicit_gemm.h);
@@ -15,6 +18,32 @@
 
 namespace jax_kernels {
 
+// The layout of a pass's tensors; each layout has its own FFI targets (jk_conv2d_* and
+// jk_conv2d_nhwc_*), so the attributes stay the same.
+enum class ConvLayout : int64_t { kNCHW = 0, kNHWC = 1 };
+
+// Element strides of a 4-D tensor indexed logically: (n, c, y, x) for activations, (k, c, r, s)
+// for weights.
+struct TensorStrides {
+  int64_t a, b, c, d;
+  JK_HD int64_t at(int64_t i, int64_t j, int64_t k, int64_t l) const {
+    return i * a + j * b + k * c + l * d;
+  }
+};
+
+// Activation [N, C, H, W] (NCHW) or [N, H, W, C] (NHWC), indexed (n, c, y, x).
+JK_HD TensorStrides activation_strides(ConvLayout layout, int64_t C, int64_t H, int64_t W) {
+  if (layout == ConvLayout::kNHWC) return {H * W * C, 1, W * C, C};
+  return {C * H * W, H * W, W, 1};
+}
+
+// Weight [K, Cg, R, S] (KCRS) or [R, S, Cg, K] (HWIO), indexed (k, c, r, s).
+JK_HD TensorStrides weight_strides(ConvLayout layout, int64_t K, int64_t Cg, int64_t R,
+                                   int64_t S) {
+  if (layout == ConvLayout::kNHWC) return {1, K, S * Cg * K, Cg * K};
+  return {Cg * R * S, R * S, S, 1};
+}
+
 struct ConvProblem {
   int64_t N, C, H, W;  // input
   int64_t K, R, S;     // weight: [K, C / groups, R, S]
@@ -23,12 +52,18 @@ struct ConvProblem {
   int64_t pad_top, pad_left;  // bottom/right padding is implied by P and Q
   int64_t dilation_h, dilation_w;
   int64_t groups;
+  ConvLayout layout = ConvLayout::kNCHW;
 
   JK_HD int64_t channels_per_group() const { return C / groups; }
   JK_HD int64_t filters_per_group() const { return K / groups; }
   // Input row/column read by output row p (column q) at filter tap r (s); may lie outside.
   JK_HD int64_t input_row(int64_t p, int64_t r) const { return p * stride_h - pad_top + r * dilation_h; }
   JK_HD int64_t input_col(int64_t q, int64_t s) const { return q * stride_w - pad_left + s * dilation_w; }
+  JK_HD TensorStrides input_strides() const { return activation_strides(layout, C, H, W); }
+  JK_HD TensorStrides output_strides() const { return activation_strides(layout, K, P, Q); }
+  JK_HD TensorStrides filter_strides() const {
+    return weight_strides(layout, K, channels_per_group(), R, S);
+  }
 };
 
 enum class ConvPass : int64_t { kForward = 0, kBackwardData = 1, kBackwardWeight = 2 };
@@ -107,8 +142,8 @@ JK_HD StencilAxis backward_data_cols(const ConvProblem& p) {
 
 // Weight element of a stencil pass, as strides from the element of (output channel 0, input
 // channel 0, tap 0, tap 0) within a group, in units of elements (negative for flipped taps).
-// Forward: output channel k, input channel c of w[K, C/g, R, S]. Backward data: output channel
-// c, input channel k, flipped taps.
+// Forward: output channel k, input channel c of the weight. Backward data: output channel c,
+// input channel k, flipped taps. Either weight layout (weight_strides).
 struct StencilWeights {
   int64_t origin;  // offset of (0, 0, 0, 0) in the first group
   int64_t group, out_channel, in_channel, row, col;
@@ -119,13 +154,12 @@ struct StencilWeights {
 };
 
 JK_HD StencilWeights forward_weights(const ConvProblem& p) {
-  const int64_t cg = p.channels_per_group();
-  return {0, p.filters_per_group() * cg * p.R * p.S, cg * p.R * p.S, p.R * p.S, p.S, 1};
+  const TensorStrides w = p.filter_strides();
+  return {0, p.filters_per_group() * w.a, w.a, w.b, w.c, w.d};
 }
 JK_HD StencilWeights backward_data_weights(const ConvProblem& p) {
-  const int64_t cg = p.channels_per_group();
-  return {(p.R - 1) * p.S + (p.S - 1), p.filters_per_group() * cg * p.R * p.S, p.R * p.S,
-          cg * p.R * p.S, -p.S, -1};
+  const TensorStrides w = p.filter_strides();
+  return {(p.R - 1) * w.c + (p.S - 1) * w.d, p.filters_per_group() * w.a, w.b, w.a, -w.c, -w.d};
 }
 
 // ---- FFI attributes and problem checks, shared by the CPU and CUDA handlers (host only) --------
@@ -151,11 +185,12 @@ struct ConvAttrs {
 };
 
 // The problem of a pass from its tensors, `in` [N, C, H, W], `weight` [K, C/g, R, S] and `out`
-// [N, K, P, Q] (each the tensor or its gradient) of one element type, or an InvalidArgument error
-// naming `op`. The kernels bounds-check every read, so any consistent problem is safe.
+// [N, K, P, Q] (NCHW; NHWC: [N, H, W, C], [R, S, C/g, K] and [N, P, Q, K]), each the tensor or
+// its gradient, of one element type, or an InvalidArgument error naming `op`. The kernels
+// bounds-check every read, so any consistent problem is safe.
 inline ffi::Error conv2d_problem(const char* op, const ConvAttrs& a, const ffi::AnyBuffer& in,
                                  const ffi::AnyBuffer& weight, const ffi::AnyBuffer& out,
-                                 ConvProblem* p) {
+                                 ConvProblem* p, ConvLayout layout = ConvLayout::kNCHW) {
   const auto invalid = [op](const char* what) {
     return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
   };
@@ -167,18 +202,24 @@ inline ffi::Error conv2d_problem(const char* op, const ConvAttrs& a, const ffi::
   const int64_t* i = in.dimensions().begin();
   const int64_t* w = weight.dimensions().begin();
   const int64_t* o = out.dimensions().begin();
-  *p = ConvProblem{i[0],       i[1],       i[2],         i[3],          // N, C, H, W
-                   w[0],       w[2],       w[3],                        // K, R, S
-                   o[2],       o[3],                                    // P, Q
-                   a.stride_h, a.stride_w, a.pad_top,    a.pad_left,    a.dilation_h,
-                   a.dilation_w, a.groups};
-  if (const char* problem = conv_problem_error(*p)) return invalid(problem);
-  if (w[1] * p->groups != p->C)
-    return invalid("weight shape does not match the input channels and groups");
-  if (o[0] != i[0] || o[1] != w[0]) return invalid("output shape does not match the operands");
   for (int d = 0; d < 4; ++d)
     if (i[d] < 0 || w[d] < 0 || o[d] < 0) return invalid("negative extent");
-  if (w[2] == 0 || w[3] == 0) return invalid("kernel extents must be positive");
+  // Logical extents: x (N, C, H, W), w (K, Cg, R, S), y (N, K, P, Q).
+  const bool last = layout == ConvLayout::kNHWC;
+  const int64_t x_[4] = {i[0], last ? i[3] : i[1], last ? i[1] : i[2], last ? i[2] : i[3]};
+  const int64_t w_[4] = {last ? w[3] : w[0], last ? w[2] : w[1], last ? w[0] : w[2],
+                         last ? w[1] : w[3]};
+  const int64_t y_[4] = {o[0], last ? o[3] : o[1], last ? o[1] : o[2], last ? o[2] : o[3]};
+  *p = ConvProblem{x_[0],      x_[1],      x_[2],        x_[3],         // N, C, H, W
+                   w_[0],      w_[2],      w_[3],                       // K, R, S
+                   y_[2],      y_[3],                                   // P, Q
+                   a.stride_h, a.stride_w, a.pad_top,    a.pad_left,    a.dilation_h,
+                   a.dilation_w, a.groups, layout};
+  if (const char* problem = conv_problem_error(*p)) return invalid(problem);
+  if (w_[1] * p->groups != p->C)
+    return invalid("weight shape does not match the input channels and groups");
+  if (y_[0] != x_[0] || y_[1] != w_[0]) return invalid("output shape does not match the operands");
+  if (w_[2] == 0 || w_[3] == 0) return invalid("kernel extents must be positive");
   return ffi::Error::Success();
 }
 
@@ -193,21 +234,26 @@ inline ffi::Error conv2d_bias_check(const ffi::AnyBuffer& bias, const ffi::AnyBu
 }
 
 // The bias gradient's operands: dy [N, K, P, Q] -> db [K], or [B, N, K, P, Q] -> [B, K] (a
-// vmapped batch). Sets the batch B (1 unbatched), N, K and the plane P * Q.
+// vmapped batch); NHWC: dy [(B,) N, P, Q, K]. Sets the batch B (1 unbatched), N, K and the plane
+// P * Q.
 inline ffi::Error conv2d_bias_gradient_shape(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& db,
                                              int64_t* batch, int64_t* N, int64_t* K,
-                                             int64_t* plane) {
+                                             int64_t* plane,
+                                             ConvLayout layout = ConvLayout::kNCHW) {
   const auto d = dy.dimensions();
   const size_t rank = d.size();
+  const bool last = layout == ConvLayout::kNHWC;
+  const size_t k_axis = last ? rank - 1 : rank - 3;
   if ((rank != 4 && rank != 5) || db.dimensions().size() != rank - 3 ||
-      db.dimensions().back() != d[rank - 3] || (rank == 5 && db.dimensions()[0] != d[0]) ||
+      db.dimensions().back() != d[k_axis] || (rank == 5 && db.dimensions()[0] != d[0]) ||
       db.element_type() != dy.element_type())
     return ffi::Error::InvalidArgument(
-        "conv2d bias gradient: expected dy [(B,) N, K, P, Q] and db [(B,) K]");
+        last ? "conv2d bias gradient: expected dy [(B,) N, P, Q, K] and db [(B,) K]"
+             : "conv2d bias gradient: expected dy [(B,) N, K, P, Q] and db [(B,) K]");
   *batch = rank == 5 ? d[0] : 1;
   *N = d[rank - 4];
-  *K = d[rank - 3];
-  *plane = d[rank - 2] * d[rank - 1];
+  *K = d[k_axis];
+  *plane = last ? d[rank - 3] * d[rank - 2] : d[rank - 2] * d[rank - 1];
   return ffi::Error::Success();
 }
 

@@ -40,6 +40,7 @@ inline nanobind::dict enum_codes() {
                      {"backward_weight", int64_t(ConvPass::kBackwardWeight)}});
   table("ConvPrecision", {{"default", int64_t(ConvPrecision::kDefault)},
                           {"highest", int64_t(ConvPrecision::kHighest)}});
+  table("ConvLayout", {{"NCHW", int64_t(ConvLayout::kNCHW)}, {"NHWC", int64_t(ConvLayout::kNHWC)}});
   table("ConvDtype", {{"float16", int64_t(ConvDtype::kFloat16)},
                       {"bfloat16", int64_t(ConvDtype::kBFloat16)},
                       {"float32", int64_t(ConvDtype::kFloat32)},

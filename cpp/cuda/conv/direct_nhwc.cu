@@ -1,0 +1,251 @@
+// The direct conv2d kernels of the channels-last layout (NHWC activations, HWIO weights; the
+// jk_conv2d_nhwc_* targets), for the problems the tensor-core path declines (float64, grouped
+// and depthwise convolutions, channel counts off the 128-bit access, geometries CUTLASS does not
+// take). Interface in direct.h.
+//
+// Channels are the innermost axis of every tensor, so consecutive threads take consecutive
+// output channels: a tap's channels are read in one coalesced go, and so are the HWIO weights
+// (filters innermost).
+// - Forward and dgrad: one thread per output element, the stencil of conv.h (StencilAxis,
+//   StencilWeights over the HWIO strides), summed over (input channel, row tap, column tap) in
+//   that order.
+// - Wgrad: the N*P*Q reduction is cut into slices fixed by the shapes (never by the device); a
+//   thread sums one weight element over one slice into the scratch buffer, and a second kernel
+//   adds the slices in order. No atomics: bitwise reproducible on every GPU.
+// - Bias gradient: a block per 32 filters (x batch), 32 row groups summed in a fixed order.
+// Indices are 64-bit throughout (grid-stride loops over int64 counts).
+#include <algorithm>
+#include <cstdint>
+
+#include "common/launch.h"
+#include "common/scratch.h"
+#include "common/status.h"
+#include "conv/direct.h"
+#include "jax_kernels/conv.h"
+
+namespace jax_kernels {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    stencil_nhwc_kernel(const T* __restrict__ source, const T* __restrict__ weight,
+                        const T* __restrict__ bias, T* __restrict__ out, NhwcStencil s) {
+  using A = acc_t<T>;
+  const int64_t channels = s.groups * s.out_per_group;
+  const int64_t total = s.N * s.rows.out * s.cols.out * channels;
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t oc = idx % channels;
+    int64_t rest = idx / channels;
+    const int64_t x = rest % s.cols.out;
+    rest /= s.cols.out;
+    const int64_t y = rest % s.rows.out;
+    const int64_t n = rest / s.rows.out;
+    const int64_t g = oc / s.out_per_group, o = oc % s.out_per_group;
+    A sum = bias != nullptr ? to_acc(bias[oc]) : A(0);
+    const T* src = source + s.source_at.at(n, g * s.in_per_group, 0, 0);
+    for (int64_t i = 0; i < s.in_per_group; ++i)
+      for (int64_t ty = 0; ty < s.rows.taps; ++ty) {
+        const int64_t sy = s.rows.sample(s.rows.position(y, ty));
+        if (sy < 0) continue;
+        for (int64_t tx = 0; tx < s.cols.taps; ++tx) {
+          const int64_t sx = s.cols.sample(s.cols.position(x, tx));
+          if (sx < 0) continue;
+          sum += to_acc(weight[s.weights.offset(g, o, i, ty, tx)]) *
+                 to_acc(src[s.source_at.at(0, i, sy, sx)]);
+        }
+      }
+    out[s.out_at.at(n, oc, y, x)] = from_acc<T>(sum);
+  }
+}
+
+// The slices of the wgrad reduction: at least 64 output positions each, about 2^20 threads in
+// all, and at most 2^24 partial sums (bounds the scratch).
+struct WgradSlices {
+  int64_t weights, positions, per_slice, slices;
+};
+
+WgradSlices wgrad_slices(const ConvProblem& p) {
+  WgradSlices w{};
+  w.weights = p.K * p.channels_per_group() * p.R * p.S;
+  w.positions = p.N * p.P * p.Q;
+  if (w.weights <= 0 || w.positions <= 0) return w;
+  int64_t slices = std::max<int64_t>(1, (int64_t(1) << 20) / w.weights);
+  slices = std::min(slices, std::max<int64_t>(1, ceil_div(w.positions, 64)));
+  slices = std::min(slices, std::max<int64_t>(1, (int64_t(1) << 24) / w.weights));
+  w.per_slice = ceil_div(w.positions, slices);
+  w.slices = ceil_div(w.positions, w.per_slice);
+  return w;
+}
+
+// partial[slice][e] for weight element e = ((r * S + s) * Cg + c) * K + k (filters innermost).
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    wgrad_nhwc_partial_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                              acc_t<T>* __restrict__ partial, ConvProblem p, WgradSlices w) {
+  using A = acc_t<T>;
+  const TensorStrides xs = p.input_strides(), ys = p.output_strides();
+  const int64_t Cg = p.channels_per_group(), Kg = p.filters_per_group();
+  const int64_t total = w.slices * w.weights;
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t e = idx % w.weights, slice = idx / w.weights;
+    const int64_t k = e % p.K;
+    int64_t rest = e / p.K;
+    const int64_t c = rest % Cg;
+    rest /= Cg;
+    const int64_t s = rest % p.S, r = rest / p.S;
+    const int64_t channel = (k / Kg) * Cg + c;
+    const int64_t first = slice * w.per_slice;
+    const int64_t last = std::min(first + w.per_slice, w.positions);
+    A sum = A(0);
+    for (int64_t pos = first; pos < last; ++pos) {
+      const int64_t q = pos % p.Q, row = pos / p.Q % p.P, n = pos / (p.P * p.Q);
+      const int64_t iy = p.input_row(row, r), ix = p.input_col(q, s);
+      if (iy < 0 || iy >= p.H || ix < 0 || ix >= p.W) continue;
+      sum += to_acc(dy[ys.at(n, k, row, q)]) * to_acc(x[xs.at(n, channel, iy, ix)]);
+    }
+    partial[idx] = sum;
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    wgrad_nhwc_reduce_kernel(const acc_t<T>* __restrict__ partial, T* __restrict__ dw,
+                             ConvProblem p, WgradSlices w) {
+  using A = acc_t<T>;
+  const TensorStrides ws = p.filter_strides();
+  const int64_t Cg = p.channels_per_group();
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < w.weights;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    A sum = partial[e];
+    for (int64_t slice = 1; slice < w.slices; ++slice) sum += partial[slice * w.weights + e];
+    const int64_t k = e % p.K;
+    int64_t rest = e / p.K;
+    const int64_t c = rest % Cg;
+    rest /= Cg;
+    const int64_t s = rest % p.S, r = rest / p.S;
+    dw[ws.at(k, c, r, s)] = from_acc<T>(sum);
+  }
+}
+
+// db[b, k] = sum over rows of dy[b, row, k]: thread (lane, group) of a block sums rows group,
+// group + 32, ... of filter k0 + lane; the 32 group sums are then added in order.
+template <class T>
+__global__ void __launch_bounds__(1024)
+    bias_gradient_nhwc_kernel(const T* __restrict__ dy, T* __restrict__ db, int64_t rows,
+                              int64_t K, int64_t k_tiles) {
+  using A = acc_t<T>;
+  __shared__ A sums[32][33];
+  const int lane = threadIdx.x % 32, group = threadIdx.x / 32;
+  const int64_t b = blockIdx.x / k_tiles, k = (blockIdx.x % k_tiles) * 32 + lane;
+  A sum = A(0);
+  if (k < K) {
+    const T* in = dy + b * rows * K + k;
+    for (int64_t row = group; row < rows; row += 32) sum += to_acc(in[row * K]);
+  }
+  sums[group][lane] = sum;
+  __syncthreads();
+  if (group != 0 || k >= K) return;
+  for (int g = 1; g < 32; ++g) sum += sums[g][lane];
+  db[b * K + k] = from_acc<T>(sum);
+}
+
+}  // namespace
+
+NhwcStencil forward_nhwc(const ConvProblem& p) {
+  NhwcStencil s{};
+  s.rows = forward_rows(p);
+  s.cols = forward_cols(p);
+  s.weights = forward_weights(p);
+  s.source_at = p.input_strides();
+  s.out_at = p.output_strides();
+  s.N = p.N;
+  s.groups = p.groups;
+  s.in_per_group = p.channels_per_group();
+  s.out_per_group = p.filters_per_group();
+  return s;
+}
+
+NhwcStencil backward_data_nhwc(const ConvProblem& p) {
+  NhwcStencil s{};
+  s.rows = backward_data_rows(p);
+  s.cols = backward_data_cols(p);
+  s.weights = backward_data_weights(p);
+  s.source_at = p.output_strides();
+  s.out_at = p.input_strides();
+  s.N = p.N;
+  s.groups = p.groups;
+  s.in_per_group = p.filters_per_group();
+  s.out_per_group = p.channels_per_group();
+  return s;
+}
+
+template <class T>
+ffi::Error run_stencil_nhwc(cudaStream_t stream, const char* op, const T* source, const T* weight,
+                            const T* bias, T* out, const NhwcStencil& s) {
+  const int64_t total = s.N * s.rows.out * s.cols.out * s.groups * s.out_per_group;
+  if (total == 0) return ffi::Error::Success();
+  stencil_nhwc_kernel<T><<<grid_blocks(total, kThreads), kThreads, 0, stream>>>(source, weight,
+                                                                               bias, out, s);
+  return launch_status(op);
+}
+
+template <class T>
+int64_t wgrad_nhwc_scratch_bytes(const ConvProblem& p) {
+  const WgradSlices w = wgrad_slices(p);
+  ScratchLayout layout;
+  layout.take(w.slices * w.weights * int64_t(sizeof(acc_t<T>)));
+  return layout.total();
+}
+
+template <class T>
+ffi::Error run_wgrad_nhwc(cudaStream_t stream, const T* dy, const T* x, T* dw,
+                          const ConvProblem& p, void* scratch, int64_t scratch_bytes) {
+  const WgradSlices w = wgrad_slices(p);
+  if (w.weights == 0) return ffi::Error::Success();
+  if (scratch_bytes < wgrad_nhwc_scratch_bytes<T>(p) || scratch == nullptr)
+    return ffi::Error::InvalidArgument("conv2d wgrad: scratch buffer too small");
+  auto* partial = reinterpret_cast<acc_t<T>*>(aligned_scratch(scratch));
+  if (w.positions == 0) {  // nothing to sum: dw is zero
+    wgrad_nhwc_reduce_kernel<T><<<grid_blocks(w.weights, kThreads), kThreads, 0, stream>>>(
+        partial, dw, p, WgradSlices{w.weights, 0, 1, 0});
+    return launch_status("conv2d wgrad");
+  }
+  wgrad_nhwc_partial_kernel<T><<<grid_blocks(w.slices * w.weights, kThreads), kThreads, 0,
+                                 stream>>>(dy, x, partial, p, w);
+  if (ffi::Error e = launch_status("conv2d wgrad"); e.failure()) return e;
+  wgrad_nhwc_reduce_kernel<T><<<grid_blocks(w.weights, kThreads), kThreads, 0, stream>>>(
+      partial, dw, p, w);
+  return launch_status("conv2d wgrad (reduction)");
+}
+
+template <class T>
+ffi::Error run_bias_gradient_nhwc(cudaStream_t stream, const T* dy, T* db, int64_t batch,
+                                  int64_t rows, int64_t K) {
+  const int64_t k_tiles = ceil_div(K, 32);
+  const int64_t blocks = batch * k_tiles;
+  if (blocks == 0) return ffi::Error::Success();
+  if (blocks > 0x7fffffff)
+    return ffi::Error::InvalidArgument("conv2d bias gradient: too many filters");
+  bias_gradient_nhwc_kernel<T><<<unsigned(blocks), 1024, 0, stream>>>(dy, db, rows, K, k_tiles);
+  return launch_status("conv2d bias gradient");
+}
+
+#define JK_INSTANTIATE(T)                                                                       \
+  template ffi::Error run_stencil_nhwc<T>(cudaStream_t, const char*, const T*, const T*,        \
+                                          const T*, T*, const NhwcStencil&);                    \
+  template int64_t wgrad_nhwc_scratch_bytes<T>(const ConvProblem&);                             \
+  template ffi::Error run_wgrad_nhwc<T>(cudaStream_t, const T*, const T*, T*, const ConvProblem&, \
+                                        void*, int64_t);                                        \
+  template ffi::Error run_bias_gradient_nhwc<T>(cudaStream_t, const T*, T*, int64_t, int64_t,   \
+                                                int64_t);
+JK_INSTANTIATE(float16)
+JK_INSTANTIATE(bfloat16)
+JK_INSTANTIATE(float)
+JK_INSTANTIATE(double)
+#undef JK_INSTANTIATE
+
+}  // namespace jax_kernels

@@ -1,0 +1,336 @@
+"""Tests of channels-last conv2d (data_format="NHWC": NHWC input, HWIO weights, NPQK output, the
+jk_conv2d_nhwc_* targets): against torch (float64 on the CPU, the oracle of test_conv.py, through
+transposes done in the test only), against lax.conv with ("NHWC", "HWIO", "NHWC"), against the
+NCHW form, every derivative (forward and reverse, second order), batching, the compiled program
+(no transpose of a batch-sized tensor), partitioning, determinism and errors. The same file runs
+with JAX_PLATFORMS=cuda,cpu, where the tensor-core path takes the aligned dense problems in place
+and the direct channels-last kernels the rest."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.test_util import check_grads
+
+import jax_kernels as jk
+from jk_testing import ON_GPU, TORCH_UNAVAILABLE, assert_close, random, rtol, torch
+from test_conv import GEOMETRIES, _id, torch_conv
+
+needs_torch = pytest.mark.skipif(torch is None, reason=TORCH_UNAVAILABLE)
+pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same'")
+
+NHWC_TARGETS = ("jk_conv2d_nhwc_fwd", "jk_conv2d_nhwc_bwd_input", "jk_conv2d_nhwc_bwd_weight",
+                "jk_conv2d_nhwc_bwd_bias")
+
+
+def to_nhwc(a):
+    return None if a is None else jnp.transpose(a, (0, 2, 3, 1))
+
+
+def to_hwio(w):
+    return jnp.transpose(w, (2, 3, 1, 0))
+
+
+def nhwc_operands(seed, shape_x, shape_w, bias, dtype, options):
+    """x [N, H, W, C], w HWIO, b, dy [N, P, Q, K] from torch-layout shapes."""
+    N, C, H, W = shape_x
+    K, Cg, R, S = shape_w
+    x = random(seed, (N, H, W, C), dtype)
+    w = random(seed + 1, (R, S, Cg, K), dtype)
+    b = random(seed + 2, (K,), dtype) if bias else None
+    y = jax.eval_shape(lambda x, w: jk.conv2d(x, w, None, data_format="NHWC", **options), x, w)
+    dy = random(seed + 3, y.shape, dtype)
+    return x, w, b, dy
+
+
+def jk_nhwc(x, w, b, dy, **options):
+    def f(x, w, b):
+        return jk.conv2d(x, w, b, data_format="NHWC", **options)
+
+    y, vjp = jax.vjp(jax.jit(f), x, w, b)
+    return (y,) + vjp(dy)
+
+
+def torch_nhwc(x, w, b, dy, **options):
+    """torch's results for NHWC operands, moved back to NHWC / HWIO (float64 NumPy)."""
+    nchw = lambda a: None if a is None else jnp.transpose(a, (0, 3, 1, 2))
+    y, dx, dw, db = torch_conv(nchw(x), jnp.transpose(w, (3, 2, 0, 1)), b, nchw(dy), **options)
+    back = lambda a: np.transpose(a, (0, 2, 3, 1))
+    return back(y), back(dx), np.transpose(dw, (2, 3, 1, 0)), db
+
+
+@needs_torch
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=_id)
+def test_float64_matches_torch(geometry):
+    shape_x, shape_w, options, bias = geometry
+    x, w, b, dy = nhwc_operands(0, shape_x, shape_w, bias, jnp.float64, options)
+    expected = torch_nhwc(x, w, b, dy, **options)
+    got = jk_nhwc(x, w, b, dy, **options)
+    for name, a, e in zip(("output", "d_input", "d_weight", "d_bias"), got, expected):
+        if e is not None:
+            assert a.shape == e.shape, name
+            assert_close(a, e, jnp.float64), name
+
+
+# Dense problems with channel counts on the 128-bit access (the GPU's tensor-core path takes
+# them in place: fprop, unit-stride dgrad as fprop, strided dgrad, wgrad), and ones it declines.
+LOW_PRECISION = [
+    ((2, 16, 12, 12), (16, 16, 3, 3), dict(padding=1), True),
+    ((2, 16, 11, 12), (32, 16, 3, 3), dict(stride=2, padding=1), True),
+    ((2, 32, 9, 9), (16, 32, 1, 1), dict(), True),
+    ((1, 8, 15, 13), (8, 8, 5, 5), dict(padding=2, dilation=(1, 2)), False),
+    ((2, 3, 14, 14), (16, 3, 7, 7), dict(stride=2, padding=3), True),  # a stem: C = 3
+    ((2, 16, 10, 10), (16, 1, 3, 3), dict(padding=1, groups=16), True),  # depthwise
+    ((2, 32, 8, 8), (32, 16, 3, 3), dict(padding=1, groups=2), False),
+]
+
+
+@needs_torch
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("geometry", LOW_PRECISION, ids=_id)
+def test_low_precision_relative_error(dtype, geometry):
+    """Half types accumulate in float32; float32 with precision='highest' is full precision on
+    every path. The oracle is float64 on the same (rounded) inputs."""
+    shape_x, shape_w, options, bias = geometry
+    x, w, b, dy = nhwc_operands(1, shape_x, shape_w, bias, dtype, options)
+    as64 = lambda a: None if a is None else a.astype(jnp.float64)
+    expected = torch_nhwc(as64(x), as64(w), as64(b), as64(dy), **options)
+    got = jk_nhwc(x, w, b, dy, precision="highest", **options)
+    for name, a, e in zip(("output", "d_input", "d_weight", "d_bias"), got, expected):
+        if e is not None:
+            assert a.dtype == dtype, name
+            assert_close(a, e, dtype), name
+
+
+@pytest.mark.parametrize("geometry", LOW_PRECISION[:3], ids=_id)
+def test_float32_default_precision_matches_lax(geometry):
+    """precision=None may use TF32 on the GPU's tensor cores (1e-3 relative there); lax.conv in
+    NHWC/HWIO at HIGHEST precision is the oracle."""
+    shape_x, shape_w, options, bias = geometry
+    x, w, b, dy = nhwc_operands(2, shape_x, shape_w, bias, jnp.float32, options)
+    got = jk_nhwc(x, w, b, dy, **options)
+
+    def reference(x, w, b):
+        stride = options.get("stride", 1)
+        pad = options.get("padding", 0)
+        y = jax.lax.conv_general_dilated(
+            x.astype(jnp.float64), w.astype(jnp.float64), (stride, stride),
+            [(pad, pad), (pad, pad)], dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            precision="highest")
+        return y + b.astype(jnp.float64)
+
+    y, vjp = jax.vjp(reference, x, w, b)
+    expected = (y,) + vjp(dy.astype(jnp.float64))
+    tolerance = 1e-3 if ON_GPU else rtol(jnp.float32)
+    for a, e in zip(got, expected):
+        assert_close(a, np.asarray(e), rtol_=tolerance)
+
+
+@pytest.mark.parametrize("geometry", [GEOMETRIES[i] for i in (0, 2, 9, 13, 16)], ids=_id)
+def test_same_numbers_as_nchw(geometry):
+    """The NHWC form against the NCHW form on the same values (transposed in the test)."""
+    shape_x, shape_w, options, bias = geometry
+    x, w, b, dy = nhwc_operands(3, shape_x, shape_w, bias, jnp.float32, options)
+    got = jk_nhwc(x, w, b, dy, precision="highest", **options)
+
+    def nchw(x, w, b):
+        return jk.conv2d(x, w, b, precision="highest", **options)
+
+    xt, wt = jnp.transpose(x, (0, 3, 1, 2)), jnp.transpose(w, (3, 2, 0, 1))
+    y, vjp = jax.vjp(nchw, xt, wt, b)
+    dx, dw, db = vjp(jnp.transpose(dy, (0, 3, 1, 2)))
+    expected = (to_nhwc(y), to_nhwc(dx), to_hwio(dw), db)
+    for a, e in zip(got, expected):
+        if e is not None:
+            assert_close(a, e, jnp.float32)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_check_grads_forward_and_reverse_second_order(groups):
+    x = random(4, (2, 6, 7, 2), jnp.float64)
+    w = random(5, (3, 2, 2 // groups, 4), jnp.float64)
+    b = random(6, (4,), jnp.float64)
+    f = lambda x, w, b: jk.conv2d(x, w, b, stride=(1, 2), padding=(1, 0), dilation=(2, 1),
+                                  groups=groups, data_format="NHWC")
+    check_grads(f, (x, w, b), order=2, modes=("fwd", "rev"))
+
+
+def test_unbatched_input_and_empty_batch():
+    x = random(7, (8, 9, 3), jnp.float64)
+    w = random(8, (3, 3, 3, 4), jnp.float64)
+    y = jk.conv2d(x, w, data_format="NHWC")
+    expected = jk.conv2d(x[None], w, data_format="NHWC")[0]
+    assert y.shape == (6, 7, 4)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(expected))
+    lax = jax.lax.conv_general_dilated(x[None], w, (1, 1), "VALID",
+                                       dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                       precision="highest")[0]
+    assert_close(y, lax, jnp.float64)
+    empty = jnp.zeros((0, 8, 9, 3), jnp.float32)
+    w32 = w.astype(jnp.float32)
+    assert jk.conv2d(empty, w32, data_format="NHWC").shape == (0, 6, 7, 4)
+    dw = jax.grad(lambda w: jnp.sum(jk.conv2d(empty, w, data_format="NHWC")))(w32)
+    np.testing.assert_array_equal(np.asarray(dw), 0)
+
+
+# --- batching --------------------------------------------------------------------------------
+
+OPTIONS = dict(stride=(2, 1), padding=((1, 0), (2, 1)), dilation=(1, 2), groups=2)
+
+
+def _lax(x, w, b):
+    y = jax.lax.conv_general_dilated(x, w, OPTIONS["stride"], OPTIONS["padding"],
+                                     rhs_dilation=OPTIONS["dilation"],
+                                     feature_group_count=OPTIONS["groups"],
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                     precision="highest")
+    return y + b
+
+
+def _jk(x, w, b):
+    return jk.conv2d(x, w, b, data_format="NHWC", **OPTIONS)
+
+
+@pytest.mark.parametrize("axes", [(0, None, None), (None, 0, None), (0, 0, 0), (None, 0, 0),
+                                  (1, 2, None)])
+def test_vmap_forward_and_gradients(axes):
+    """vmap over the input, the weights, the bias or all, at several axes, and vmap of every
+    gradient, against lax.conv (which batches on its own)."""
+    B = 3
+    x = random(10, (2, 7, 8, 4), jnp.float64)
+    w = random(11, (3, 2, 2, 6), jnp.float64)
+    b = random(12, (6,), jnp.float64)
+    args = []
+    for a, axis in zip((x, w, b), axes):
+        args.append(a if axis is None else jnp.stack([a * (i + 1) for i in range(B)], axis))
+    y = jax.vjp(_jk, x, w, b)[0]
+    ct = random(13, (B,) + y.shape, jnp.float64)
+    got = jax.vmap(_jk, in_axes=axes)(*args)
+    expected = jax.vmap(_lax, in_axes=axes)(*args)
+    assert_close(got, expected, jnp.float64)
+
+    def grads(f):
+        def one(x, w, b, ct):
+            return jax.vjp(f, x, w, b)[1](ct)
+        return jax.vmap(one, in_axes=axes + (0,))(*args, ct)
+
+    for a, e in zip(grads(_jk), grads(_lax)):
+        assert_close(a, e, jnp.float64)
+
+
+# --- the compiled program ------------------------------------------------------------------------
+
+_TRANSPOSE = re.compile(r"= \w+\[([\d,]*)\]\{[^}]*\} transpose\(")
+
+
+def batch_sized_transposes(fn, *args, threshold: int) -> list[int]:
+    """Element counts of the transposes in the compiled program with at least `threshold`."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    sizes = [int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+             for dims in _TRANSPOSE.findall(text)]
+    return [s for s in sizes if s >= threshold]
+
+
+def test_no_transpose_of_a_batch_sized_tensor():
+    x = random(20, (4, 12, 12, 16), jnp.float32)
+    w = random(21, (3, 3, 16, 16), jnp.float32)
+    b = random(22, (16,), jnp.float32)
+
+    def step(x, w, b):
+        def loss(x, w, b):
+            y = jk.conv2d(x, w, b, padding=1, data_format="NHWC")
+            return (jnp.tanh(y) ** 2).sum()
+        return jax.grad(loss, argnums=(0, 1, 2))(x, w, b)
+
+    text = jax.jit(step).lower(x, w, b).as_text()
+    for target in NHWC_TARGETS:
+        assert target in text, target
+    assert batch_sized_transposes(step, x, w, b, threshold=x.size // 2) == []
+
+    # The check sees the transposes of an NCHW convolution on the same channels-last data.
+    def transposed(x, w, b):
+        def loss(x, w, b):
+            y = jk.conv2d(jnp.transpose(x, (0, 3, 1, 2)), jnp.transpose(w, (3, 2, 0, 1)), b,
+                          padding=1)
+            return (jnp.tanh(jnp.transpose(y, (0, 2, 3, 1))) ** 2).sum()
+        return jax.grad(loss, argnums=(0, 1, 2))(x, w, b)
+
+    assert batch_sized_transposes(transposed, x, w, b, threshold=x.size // 2) != []
+
+
+def test_deterministic_bits():
+    x = random(30, (4, 10, 10, 16), jnp.float32)
+    w = random(31, (3, 3, 8, 16), jnp.float32)
+    b = random(32, (16,), jnp.float32)
+    loss = lambda x, w, b: (jk.conv2d(x, w, b, padding=1, groups=2, data_format="NHWC") ** 2).sum()
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    first = [np.asarray(g) for g in grads(x, w, b)]
+    for _ in range(2):
+        for a, e in zip(grads(x, w, b), first):
+            np.testing.assert_array_equal(np.asarray(a), e)
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+def test_errors_name_the_op():
+    x = jnp.zeros((2, 8, 8, 4))
+    w = jnp.zeros((3, 3, 4, 6))
+    with pytest.raises(ValueError, match=r"conv2d\(\): data_format must be 'NCHW' or 'NHWC'"):
+        jk.conv2d(x, w, data_format="NCW")
+    with pytest.raises(TypeError, match=r"conv2d\(\): data_format"):
+        jk.conv2d(x, w, data_format=None)
+    # KCRS weights given with NHWC: the channel counts do not match.
+    with pytest.raises(ValueError, match=r"conv2d\(\): weight of shape \(6, 4, 3, 3\)"):
+        jk.conv2d(x, jnp.zeros((6, 4, 3, 3)), data_format="NHWC")
+    with pytest.raises(ValueError, match=r"conv2d\(\): expected input of shape \(N, H, W, C\)"):
+        jk.conv2d(jnp.zeros((8, 8)), w, data_format="NHWC")
+    with pytest.raises(ValueError, match=r"conv2d\(\): expected bias of shape \(6,\)"):
+        jk.conv2d(x, w, jnp.zeros((4,)), data_format="NHWC")
+
+
+# --- partitioning --------------------------------------------------------------------------------
+
+
+def _cpu_devices():
+    try:
+        return jax.devices("cpu")[:8]
+    except RuntimeError:
+        return []
+
+
+@pytest.mark.skipif(len(_cpu_devices()) < 8, reason="needs 8 CPU devices (conftest.py)")
+def test_batch_sharded_on_8_devices():
+    """Channels last keeps the batch sharded: the weight and bias gradients are reduced once
+    (their own size), the activations never move."""
+    m = Mesh(np.array(_cpu_devices()), ("batch",))
+    put = lambda a, *spec: jax.device_put(a, NamedSharding(m, P(*spec)))
+    x = jax.device_put(random(0, (16, 10, 9, 8), jnp.float64), jax.devices("cpu")[0])
+    w = jax.device_put(random(1, (3, 3, 4, 8), jnp.float64), jax.devices("cpu")[0])
+    b = jax.device_put(random(2, (8,), jnp.float64), jax.devices("cpu")[0])
+
+    def loss(x, w, b):
+        y = jk.conv2d(x, w, b, padding=1, stride=(1, 2), groups=2, data_format="NHWC")
+        return (jnp.tanh(y) ** 2).sum()
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))
+    args = (put(x, "batch"), put(w), put(b))
+    shardings = tuple(NamedSharding(m, s) for s in (P("batch"), P(), P()))
+    text = jax.jit(grads, out_shardings=shardings).lower(*args).compile().as_text()
+    for kind in ("all-gather", "all-to-all", "collective-permute", "reduce-scatter"):
+        assert kind not in text, kind
+    reduced = re.findall(r"= (.*?) all-reduce(?:-start)?\(", text)
+    sizes = [int(np.prod([int(d) for d in dims.split(",") if d]))
+             for types in reduced for dims in re.findall(r"\w+\[([\d,]*)\]", types)]
+    assert sizes and max(sizes) <= w.size, sizes
+    actual = jax.jit(grads, out_shardings=shardings)(*args)
+    assert actual[0].sharding.spec == P("batch")
+    with jax.default_device(jax.devices("cpu")[0]):
+        expected = jax.jit(grads)(x, w, b)
+    for a, e in zip(actual, expected):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-12, atol=1e-12)
