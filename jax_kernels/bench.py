@@ -426,9 +426,11 @@ def cases_grid_sample(ctx: Context) -> list[Case]:
 
 def cases_conv2d(ctx: Context) -> list[Case]:
     """The target cases: 3x3 64->64 (bf16, f32 in TF32), 1x1 256->64 (bf16) and depthwise
-    7x7 (f32, bf16), each forward, dgrad and wgrad, NCHW, against lax.conv and torch (cuDNN on
-    the GPU; torch's default TF32 for f32 as jk's and lax's default precision). The CPU runs the
-    depthwise case of section 8 (C96 N8 28x28) and the dense ones at that size."""
+    7x7 (f32, bf16), each forward, dgrad and wgrad, in both layouts (NCHW with KCRS weights;
+    channels-last NHWC with HWIO weights), against lax.conv in the same layout and torch (cuDNN
+    on the GPU, channels_last memory format for NHWC; torch's default TF32 for f32 as jk's and
+    lax's default precision). The CPU runs the depthwise case of section 8 (C96 N8 28x28) and
+    the dense ones at that size."""
     gpu = ctx.platform == "gpu"
     if ctx.quick:
         N, side, depthwise = 2, 14, 32
@@ -445,66 +447,79 @@ def cases_conv2d(ctx: Context) -> list[Case]:
     ]
     cases = []
     for seed, (name, C, K, size, pad, groups, dtype) in enumerate(configs):
-        x = _jnp_random(ctx, (N, C, side, side), dtype, seed=3 * seed)
-        w = _jnp_random(ctx, (K, C // groups, size, size), dtype, seed=3 * seed + 1)
-        dy = _jnp_random(ctx, (N, K, side, side), dtype, seed=3 * seed + 2)
-        item = np.dtype(dtype).itemsize
-        x_bytes, w_bytes, y_bytes = x.size * item, w.size * item, dy.size * item
-
-        def ours(x, w, pad=pad, groups=groups):
-            return jk.conv2d(x, w, padding=pad, groups=groups)
-
-        def lax_conv(x, w, pad=pad, groups=groups):
-            return jax.lax.conv_general_dilated(x, w, (1, 1), [(pad, pad), (pad, pad)],
-                                                feature_group_count=groups,
-                                                dimension_numbers=("NCHW", "OIHW", "NCHW"))
-
-        label = f"conv2d {name} N{N} {side}x{side} {np.dtype(dtype).name}"
-        fwd = Case(f"{label} fwd", x_bytes + w_bytes + y_bytes)
-        dgrad = Case(f"{label} dgrad", y_bytes + w_bytes + x_bytes)
-        wgrad = Case(f"{label} wgrad", y_bytes + x_bytes + w_bytes)
-        # Ten calls inside one jit, on ten weights (fwd) or ten output gradients (dgrad, wgrad)
-        # so that XLA cannot merge them: the per-call time without JAX's per-dispatch cost,
-        # which is most of the time of the small dense cases.
-        ten = [Case(f"{case.name}, 10 calls in one jit", case.floor_bytes, calls=10)
-               for case in (fwd, dgrad, wgrad)]
-        ws = [w * (1 - 0.01 * i) for i in range(10)]
-        dys = [dy * (1 - 0.01 * i) for i in range(10)]
-        for contender, conv in (("jax_kernels", ours), ("lax.conv", lax_conv)):
-            f = jax.jit(conv)
-            d = jax.jit(lambda x, w, dy, conv=conv: jax.vjp(lambda x: conv(x, w), x)[1](dy)[0])
-            g = jax.jit(lambda x, w, dy, conv=conv: jax.vjp(lambda w: conv(x, w), w)[1](dy)[0])
-            args = (x, w, dy)
-            fwd.contenders.append(Contender(contender, lambda f=f, a=args: f(*a[:2])))
-            dgrad.contenders.append(Contender(contender, lambda d=d, a=args: d(*a)))
-            wgrad.contenders.append(Contender(contender, lambda g=g, a=args: g(*a)))
-            f10 = jax.jit(lambda x, ws, conv=conv: [conv(x, v) for v in ws])
-            d10 = jax.jit(lambda x, w, dys, conv=conv: [
-                jax.vjp(lambda x: conv(x, w), x)[1](v)[0] for v in dys])
-            g10 = jax.jit(lambda x, w, dys, conv=conv: [
-                jax.vjp(lambda w: conv(x, w), w)[1](v)[0] for v in dys])
-            many = (x, w, ws, dys)
-            ten[0].contenders.append(Contender(contender, lambda f=f10, a=many: f(a[0], a[2])))
-            ten[1].contenders.append(Contender(contender, lambda d=d10, a=many: d(a[0], a[1], a[3])))
-            ten[2].contenders.append(Contender(contender, lambda g=g10, a=many: g(a[0], a[1], a[3])))
-        if ctx.torch_device is not None:
-            def to_torch(a, dtype=dtype):
-                t = torch.from_numpy(np.asarray(a.astype(jnp.float32))).to(ctx.torch_device)
-                return t.to(torch.bfloat16 if dtype == jnp.bfloat16 else torch.float32)
-
-            t = (to_torch(x), to_torch(w), to_torch(dy))
-            o = dict(stride=1, padding=pad, dilation=1, groups=groups)
-            fwd.contenders.append(Contender(
-                "torch", lambda t=t, o=o: torch.nn.functional.conv2d(t[0], t[1], None, **o),
-                "torch"))
-            dgrad.contenders.append(Contender(
-                "torch", lambda t=t, o=o: torch.nn.grad.conv2d_input(t[0].shape, t[1], t[2], **o),
-                "torch"))
-            wgrad.contenders.append(Contender(
-                "torch", lambda t=t, o=o: torch.nn.grad.conv2d_weight(t[0], t[1].shape, t[2], **o),
-                "torch"))
-        cases += [fwd, dgrad, wgrad, *ten]
+        for layout in ("NCHW", "NHWC"):
+            cases += _conv2d_cases(ctx, seed, layout, name, N, side, C, K, size, pad, groups,
+                                   dtype)
     return cases
+
+
+def _conv2d_cases(ctx, seed, layout, name, N, side, C, K, size, pad, groups, dtype):
+    last = layout == "NHWC"
+    x = _jnp_random(ctx, (N, side, side, C) if last else (N, C, side, side), dtype, seed=3 * seed)
+    w = _jnp_random(ctx, (size, size, C // groups, K) if last else (K, C // groups, size, size),
+                    dtype, seed=3 * seed + 1)
+    dy = _jnp_random(ctx, (N, side, side, K) if last else (N, K, side, side), dtype,
+                     seed=3 * seed + 2)
+    item = np.dtype(dtype).itemsize
+    x_bytes, w_bytes, y_bytes = x.size * item, w.size * item, dy.size * item
+    numbers = ("NHWC", "HWIO", "NHWC") if last else ("NCHW", "OIHW", "NCHW")
+
+    def ours(x, w, pad=pad, groups=groups):
+        return jk.conv2d(x, w, padding=pad, groups=groups, data_format=layout)
+
+    def lax_conv(x, w, pad=pad, groups=groups):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), [(pad, pad), (pad, pad)],
+                                            feature_group_count=groups,
+                                            dimension_numbers=numbers)
+
+    label = f"conv2d {name} N{N} {side}x{side} {np.dtype(dtype).name} {layout}"
+    fwd = Case(f"{label} fwd", x_bytes + w_bytes + y_bytes)
+    dgrad = Case(f"{label} dgrad", y_bytes + w_bytes + x_bytes)
+    wgrad = Case(f"{label} wgrad", y_bytes + x_bytes + w_bytes)
+    # Ten calls inside one jit, on ten weights (fwd) or ten output gradients (dgrad, wgrad)
+    # so that XLA cannot merge them: the per-call time without JAX's per-dispatch cost,
+    # which is most of the time of the small dense cases.
+    ten = [Case(f"{case.name}, 10 calls in one jit", case.floor_bytes, calls=10)
+           for case in (fwd, dgrad, wgrad)]
+    ws = [w * (1 - 0.01 * i) for i in range(10)]
+    dys = [dy * (1 - 0.01 * i) for i in range(10)]
+    for contender, conv in (("jax_kernels", ours), ("lax.conv", lax_conv)):
+        f = jax.jit(conv)
+        d = jax.jit(lambda x, w, dy, conv=conv: jax.vjp(lambda x: conv(x, w), x)[1](dy)[0])
+        g = jax.jit(lambda x, w, dy, conv=conv: jax.vjp(lambda w: conv(x, w), w)[1](dy)[0])
+        args = (x, w, dy)
+        fwd.contenders.append(Contender(contender, lambda f=f, a=args: f(*a[:2])))
+        dgrad.contenders.append(Contender(contender, lambda d=d, a=args: d(*a)))
+        wgrad.contenders.append(Contender(contender, lambda g=g, a=args: g(*a)))
+        f10 = jax.jit(lambda x, ws, conv=conv: [conv(x, v) for v in ws])
+        d10 = jax.jit(lambda x, w, dys, conv=conv: [
+            jax.vjp(lambda x: conv(x, w), x)[1](v)[0] for v in dys])
+        g10 = jax.jit(lambda x, w, dys, conv=conv: [
+            jax.vjp(lambda w: conv(x, w), w)[1](v)[0] for v in dys])
+        many = (x, w, ws, dys)
+        ten[0].contenders.append(Contender(contender, lambda f=f10, a=many: f(a[0], a[2])))
+        ten[1].contenders.append(Contender(contender, lambda d=d10, a=many: d(a[0], a[1], a[3])))
+        ten[2].contenders.append(Contender(contender, lambda g=g10, a=many: g(a[0], a[1], a[3])))
+    if ctx.torch_device is not None:
+        def to_torch(a, kind, dtype=dtype):
+            if last:  # torch's logical NCHW / KCRS shapes over channels-last memory
+                a = jnp.transpose(a, (3, 2, 0, 1) if kind == "w" else (0, 3, 1, 2))
+            t = torch.from_numpy(np.asarray(a.astype(jnp.float32))).to(ctx.torch_device)
+            t = t.to(torch.bfloat16 if dtype == jnp.bfloat16 else torch.float32)
+            return t.contiguous(memory_format=torch.channels_last) if last else t
+
+        t = (to_torch(x, "x"), to_torch(w, "w"), to_torch(dy, "x"))
+        o = dict(stride=1, padding=pad, dilation=1, groups=groups)
+        fwd.contenders.append(Contender(
+            "torch", lambda t=t, o=o: torch.nn.functional.conv2d(t[0], t[1], None, **o),
+            "torch"))
+        dgrad.contenders.append(Contender(
+            "torch", lambda t=t, o=o: torch.nn.grad.conv2d_input(t[0].shape, t[1], t[2], **o),
+            "torch"))
+        wgrad.contenders.append(Contender(
+            "torch", lambda t=t, o=o: torch.nn.grad.conv2d_weight(t[0], t[1].shape, t[2], **o),
+            "torch"))
+    return [fwd, dgrad, wgrad, *ten]
 
 
 CASES: dict[str, Callable[[Context], list[Case]]] = {

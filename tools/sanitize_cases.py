@@ -113,8 +113,29 @@ def conv2d_cases(dtype):
     jax.block_until_ready(jax.grad(lambda w: jnp.sum(jk.conv2d(x[:0], w, **options).astype(jnp.float32)))(w))
 
 
+def conv2d_nhwc_cases(dtype):
+    # channels-last conv2d: the tensor-core path in place (fprop, unit-stride dgrad as fprop,
+    # strided dgrad, wgrad), the direct channels-last stencil, wgrad and bias gradient (grouped,
+    # depthwise, strided, dilated, channels off the 128-bit access), per-example weights.
+    for x_shape, w_shape, options in (
+            ((2, 9, 9, 16), (3, 3, 16, 16), dict(padding=1)),
+            ((2, 11, 10, 16), (3, 3, 16, 32), dict(stride=2, padding=1)),
+            ((2, 8, 8, 32), (1, 1, 32, 16), dict()),
+            ((2, 14, 14, 8), (7, 7, 1, 8), dict(padding=3, groups=8)),
+            ((2, 13, 12, 4), (3, 3, 1, 8), dict(stride=2, padding=1, groups=4)),
+            ((1, 30, 30, 3), (3, 3, 3, 5), dict(dilation=7, padding=2)),
+            ((2, 10, 10, 32), (3, 3, 16, 32), dict(padding=1, groups=2))):
+        x, w, b = rand(*x_shape, dtype=dtype), rand(*w_shape, dtype=dtype), rand(w_shape[-1], dtype=dtype)
+        conv_grad = jax.grad(lambda x, w, b: jnp.sum(
+            jk.conv2d(x, w, b, data_format="NHWC", **options).astype(jnp.float32)), argnums=(0, 1, 2))
+        jax.block_until_ready(conv_grad(x, w, b))
+    jax.block_until_ready(jax.vmap(conv_grad, in_axes=(None, 0, 0))(x, jnp.stack([w, -w]), jnp.stack([b, b])))
+    jax.block_until_ready(jax.grad(lambda w: jnp.sum(
+        jk.conv2d(x[:0], w, data_format="NHWC", **options).astype(jnp.float32)))(w))
+
+
 OPS = {"lerp": lerp_cases, "repeat": repeat_cases, "roi_align": roi_align_cases,
-       "grid_sample": grid_sample_cases, "conv2d": conv2d_cases}
+       "grid_sample": grid_sample_cases, "conv2d": conv2d_cases, "conv2d_nhwc": conv2d_nhwc_cases}
 args = sys.argv[1:]
 dtypes = ["float16", "bfloat16", "float32", "float64"]
 if args[:1] == ["--dtypes"]:
