@@ -6,9 +6,10 @@
 // Channels are the innermost axis of every tensor, so consecutive threads take consecutive
 // output channels: a tap's channels are read in one coalesced go, and so are the HWIO weights
 // (filters innermost).
-// - Forward and dgrad: one thread per output element, the stencil of conv.h (StencilAxis,
-//   StencilWeights over the HWIO strides), summed over (input channel, row tap, column tap) in
-//   that order.
+// - Forward and dgrad: a thread per 4 consecutive output columns of a channel, the stencil of
+//   conv.h (StencilAxis, StencilWeights over the HWIO strides), summed over (input channel, row
+//   tap, column tap) in that order; without divisions in the tap loops where nothing is
+//   upsampled (the forward and unit-stride dgrad).
 // - Wgrad: the N*P*Q reduction is cut into slices fixed by the shapes (never by the device); a
 //   thread sums one weight element over one slice into the scratch buffer, and a second kernel
 //   adds the slices in order. No atomics: bitwise reproducible on every GPU.
@@ -28,36 +29,57 @@ namespace {
 
 constexpr int kThreads = 256;
 
-template <class T>
+// Output columns per thread: the weights of a tap are loaded once for all of them.
+constexpr int kColumns = 4;
+
+// A thread computes kColumns consecutive output columns of one (n, y, channel). kUnit: both
+// axes read the source unsampled (upsample 1: the forward, and the dgrad of unit stride), so a
+// tap's sample is its position, with no division; otherwise StencilAxis::sample decides.
+template <class T, bool kUnit>
 __global__ void __launch_bounds__(kThreads)
     stencil_nhwc_kernel(const T* __restrict__ source, const T* __restrict__ weight,
                         const T* __restrict__ bias, T* __restrict__ out, NhwcStencil s) {
   using A = acc_t<T>;
   const int64_t channels = s.groups * s.out_per_group;
-  const int64_t total = s.N * s.rows.out * s.cols.out * channels;
+  const int64_t column_blocks = ceil_div(s.cols.out, kColumns);
+  const int64_t total = s.N * s.rows.out * column_blocks * channels;
   for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t oc = idx % channels;
     int64_t rest = idx / channels;
-    const int64_t x = rest % s.cols.out;
-    rest /= s.cols.out;
+    const int64_t x0 = rest % column_blocks * kColumns;
+    rest /= column_blocks;
     const int64_t y = rest % s.rows.out;
     const int64_t n = rest / s.rows.out;
     const int64_t g = oc / s.out_per_group, o = oc % s.out_per_group;
-    A sum = bias != nullptr ? to_acc(bias[oc]) : A(0);
+    const int columns = int(min(int64_t(kColumns), s.cols.out - x0));
+    A sum[kColumns];
+    const A start = bias != nullptr ? to_acc(bias[oc]) : A(0);
+#pragma unroll
+    for (int j = 0; j < kColumns; ++j) sum[j] = start;
     const T* src = source + s.source_at.at(n, g * s.in_per_group, 0, 0);
     for (int64_t i = 0; i < s.in_per_group; ++i)
       for (int64_t ty = 0; ty < s.rows.taps; ++ty) {
-        const int64_t sy = s.rows.sample(s.rows.position(y, ty));
+        const int64_t uy = s.rows.position(y, ty);
+        const int64_t sy = kUnit ? (uy >= 0 && uy < s.rows.source ? uy : -1) : s.rows.sample(uy);
         if (sy < 0) continue;
+        const T* src_row = src + s.source_at.at(0, i, sy, 0);
         for (int64_t tx = 0; tx < s.cols.taps; ++tx) {
-          const int64_t sx = s.cols.sample(s.cols.position(x, tx));
-          if (sx < 0) continue;
-          sum += to_acc(weight[s.weights.offset(g, o, i, ty, tx)]) *
-                 to_acc(src[s.source_at.at(0, i, sy, sx)]);
+          const A w = to_acc(weight[s.weights.offset(g, o, i, ty, tx)]);
+#pragma unroll
+          for (int j = 0; j < kColumns; ++j) {
+            if (j >= columns) break;
+            const int64_t ux = s.cols.position(x0 + j, tx);
+            const int64_t sx =
+                kUnit ? (ux >= 0 && ux < s.cols.source ? ux : -1) : s.cols.sample(ux);
+            if (sx >= 0) sum[j] += w * to_acc(src_row[sx * s.source_at.d]);
+          }
         }
       }
-    out[s.out_at.at(n, oc, y, x)] = from_acc<T>(sum);
+    T* dst = out + s.out_at.at(n, oc, y, x0);
+#pragma unroll
+    for (int j = 0; j < kColumns; ++j)
+      if (j < columns) dst[j * s.out_at.d] = from_acc<T>(sum[j]);
   }
 }
 
@@ -101,11 +123,19 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t first = slice * w.per_slice;
     const int64_t last = std::min(first + w.per_slice, w.positions);
     A sum = A(0);
+    // Walk the positions (n, row, q) of the slice with counters (no division per position).
+    int64_t q = first % p.Q, row = first / p.Q % p.P, n = first / (p.P * p.Q);
+    const T* dy_k = dy + k * ys.b;
+    const T* x_c = x + channel * xs.b;
     for (int64_t pos = first; pos < last; ++pos) {
-      const int64_t q = pos % p.Q, row = pos / p.Q % p.P, n = pos / (p.P * p.Q);
       const int64_t iy = p.input_row(row, r), ix = p.input_col(q, s);
-      if (iy < 0 || iy >= p.H || ix < 0 || ix >= p.W) continue;
-      sum += to_acc(dy[ys.at(n, k, row, q)]) * to_acc(x[xs.at(n, channel, iy, ix)]);
+      if (iy >= 0 && iy < p.H && ix >= 0 && ix < p.W)
+        sum += to_acc(dy_k[n * ys.a + row * ys.c + q * ys.d]) *
+               to_acc(x_c[n * xs.a + iy * xs.c + ix * xs.d]);
+      if (++q == p.Q) {
+        q = 0;
+        if (++row == p.P) row = 0, ++n;
+      }
     }
     partial[idx] = sum;
   }
@@ -120,7 +150,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t Cg = p.channels_per_group();
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < w.weights;
        e += int64_t(gridDim.x) * blockDim.x) {
-    A sum = partial[e];
+    A sum = w.slices > 0 ? partial[e] : A(0);
     for (int64_t slice = 1; slice < w.slices; ++slice) sum += partial[slice * w.weights + e];
     const int64_t k = e % p.K;
     int64_t rest = e / p.K;
@@ -186,10 +216,14 @@ NhwcStencil backward_data_nhwc(const ConvProblem& p) {
 template <class T>
 ffi::Error run_stencil_nhwc(cudaStream_t stream, const char* op, const T* source, const T* weight,
                             const T* bias, T* out, const NhwcStencil& s) {
-  const int64_t total = s.N * s.rows.out * s.cols.out * s.groups * s.out_per_group;
+  const int64_t total =
+      s.N * s.rows.out * ceil_div(s.cols.out, kColumns) * s.groups * s.out_per_group;
   if (total == 0) return ffi::Error::Success();
-  stencil_nhwc_kernel<T><<<grid_blocks(total, kThreads), kThreads, 0, stream>>>(source, weight,
-                                                                               bias, out, s);
+  const unsigned blocks = grid_blocks(total, kThreads);
+  if (s.rows.upsample == 1 && s.cols.upsample == 1)
+    stencil_nhwc_kernel<T, true><<<blocks, kThreads, 0, stream>>>(source, weight, bias, out, s);
+  else
+    stencil_nhwc_kernel<T, false><<<blocks, kThreads, 0, stream>>>(source, weight, bias, out, s);
   return launch_status(op);
 }
 
@@ -206,14 +240,14 @@ ffi::Error run_wgrad_nhwc(cudaStream_t stream, const T* dy, const T* x, T* dw,
                           const ConvProblem& p, void* scratch, int64_t scratch_bytes) {
   const WgradSlices w = wgrad_slices(p);
   if (w.weights == 0) return ffi::Error::Success();
+  if (w.slices == 0) {  // no output positions: dw is zero (reads no partials)
+    wgrad_nhwc_reduce_kernel<T><<<grid_blocks(w.weights, kThreads), kThreads, 0, stream>>>(
+        nullptr, dw, p, w);
+    return launch_status("conv2d wgrad");
+  }
   if (scratch_bytes < wgrad_nhwc_scratch_bytes<T>(p) || scratch == nullptr)
     return ffi::Error::InvalidArgument("conv2d wgrad: scratch buffer too small");
   auto* partial = reinterpret_cast<acc_t<T>*>(aligned_scratch(scratch));
-  if (w.positions == 0) {  // nothing to sum: dw is zero
-    wgrad_nhwc_reduce_kernel<T><<<grid_blocks(w.weights, kThreads), kThreads, 0, stream>>>(
-        partial, dw, p, WgradSlices{w.weights, 0, 1, 0});
-    return launch_status("conv2d wgrad");
-  }
   wgrad_nhwc_partial_kernel<T><<<grid_blocks(w.slices * w.weights, kThreads), kThreads, 0,
                                  stream>>>(dy, x, partial, p, w);
   if (ffi::Error e = launch_status("conv2d wgrad"); e.failure()) return e;
