@@ -72,9 +72,9 @@ def grid_sample(input: Any, grid: Any, mode: str = "bilinear", padding_mode: str
 
     Returns:
       ``[N, C, Ho, Wo]`` (or ``[N, C, Do, Ho, Wo]``; channels-last ``[N, (Do,) Ho, Wo, C]``) in
-      the input's dtype; half types compute
-      in float32. Differentiable with respect to ``input`` and ``grid`` (the grid gradient is
-      zero for ``"nearest"``, as in torch). NaN grid coordinates sample zero.
+      the input's dtype; half types compute in float32. Differentiable with respect to ``input``
+      and ``grid`` (the grid gradient is zero for ``"nearest"``, as in torch). NaN grid
+      coordinates sample zero.
     """
     input = as_array("grid_sample", "input", input)
     grid = as_array("grid_sample", "grid", grid)
@@ -103,7 +103,7 @@ def _check_data_format(data_format, rank: int) -> bool:
 
 
 def _check(input, grid, mode, padding_mode, align_corners, deterministic,
-           data_format="NCHW") -> _Attrs:
+           data_format) -> _Attrs:
     check_float_dtypes("grid_sample", input=input, grid=grid)
     if not isinstance(mode, str) or mode not in _MODES:
         raise ValueError(
