@@ -1,6 +1,7 @@
 """``grid_sample``: torch.nn.functional.grid_sample as a JAX op backed by the
 ``jk_grid_sample_*`` kernels (4-D and 5-D input; bilinear, nearest and bicubic sampling; zeros,
-border and reflection padding; align_corners either way).
+border and reflection padding; align_corners either way), channels-first (NCHW, torch's layout)
+or channels-last (``data_format="NHWC"``, Flax's).
 
 The forward and each gradient are separate FFI calls, so XLA drops the gradient nobody uses:
 ``jk_grid_sample_fwd`` (input, grid), ``jk_grid_sample_bwd_input`` (dout, grid) and
@@ -8,7 +9,8 @@ The forward and each gradient are separate FFI calls, so XLA drops the gradient 
 needs scratch memory, which it receives from XLA as an extra result sized at trace time. The
 ``*_directional`` targets are the derivatives of these passes along the grid (forward mode and
 second order; see the comment above ``_GATHER``). Each pass is a primitive with batching, JVP
-and transpose rules (``_primitive.Kernel``).
+and transpose rules (``_primitive.Kernel``). Channels-last calls use the ``jk_grid_sample_nhwc_*``
+targets (the same passes, reading and writing NHWC in place: no transposes).
 
 Batching: every pass's rule carries, per operand, a batch map
 (repeat, chunk): output batch row m reads operand row ``(m // (repeat*chunk)) * chunk +
@@ -42,14 +44,17 @@ class _Attrs(NamedTuple):
     padding: int
     align_corners: bool
     deterministic: bool
+    channels_last: bool = False
 
 
 def grid_sample(input: Any, grid: Any, mode: str = "bilinear", padding_mode: str = "zeros",
-                align_corners: bool | None = False, *, deterministic: bool = True) -> jax.Array:
+                align_corners: bool | None = False, *, deterministic: bool = True,
+                data_format: str = "NCHW") -> jax.Array:
     """Samples ``input`` at the locations in ``grid``, as ``torch.nn.functional.grid_sample``.
 
     Args:
-      input: ``[N, C, H, W]`` or ``[N, C, D, H, W]``, float16, bfloat16, float32 or float64.
+      input: ``[N, C, H, W]`` or ``[N, C, D, H, W]`` (channels-last: ``[N, H, W, C]`` or
+        ``[N, D, H, W, C]``), float16, bfloat16, float32 or float64.
       grid: ``[N, Ho, Wo, 2]`` holding (x, y), or ``[N, Do, Ho, Wo, 3]`` holding (x, y, z), in
         normalized coordinates (-1 and 1 are the image's extremes); same dtype as ``input``.
       mode: ``"bilinear"`` (trilinear for 5-D), ``"nearest"`` (rounds half to even) or
@@ -60,19 +65,45 @@ def grid_sample(input: Any, grid: Any, mode: str = "bilinear", padding_mode: str
         corner cells. ``None`` means False, as in torch.
       deterministic: the backward is bitwise reproducible run to run (default). False lets the
         GPU add d_input with atomics for float32/float64, which is faster for few channels.
+      data_format: ``"NCHW"`` (channels-first, the default) or ``"NHWC"`` (channels-last: the
+        input is ``[N, (D,) H, W, C]`` and so is the result); ``"NCDHW"`` / ``"NDHWC"`` name the
+        same for a 5-D input. The grid is the same in both. The kernels read and write
+        channels-last directly.
 
     Returns:
-      ``[N, C, Ho, Wo]`` (or ``[N, C, Do, Ho, Wo]``) in the input's dtype; half types compute
-      in float32. Differentiable with respect to ``input`` and ``grid`` (the grid gradient is
-      zero for ``"nearest"``, as in torch). NaN grid coordinates sample zero.
+      ``[N, C, Ho, Wo]`` (or ``[N, C, Do, Ho, Wo]``; channels-last ``[N, (Do,) Ho, Wo, C]``) in
+      the input's dtype; half types compute in float32. Differentiable with respect to ``input``
+      and ``grid`` (the grid gradient is zero for ``"nearest"``, as in torch). NaN grid
+      coordinates sample zero.
     """
     input = as_array("grid_sample", "input", input)
     grid = as_array("grid_sample", "grid", grid)
-    attrs = _check(input, grid, mode, padding_mode, align_corners, deterministic)
+    attrs = _check(input, grid, mode, padding_mode, align_corners, deterministic, data_format)
     return _grid_sample_jit(input, grid, attrs)
 
 
-def _check(input, grid, mode, padding_mode, align_corners, deterministic) -> _Attrs:
+# data_format -> (channels_last, the input rank it requires or None for either).
+_DATA_FORMATS = {"NCHW": (False, None), "NHWC": (True, None), "NCDHW": (False, 5),
+                 "NDHWC": (True, 5)}
+
+
+def _check_data_format(data_format, rank: int) -> bool:
+    """Whether `data_format` is channels-last, for an input of `rank` dimensions."""
+    if not isinstance(data_format, str):
+        raise TypeError("grid_sample(): expected data_format to be a string ('NCHW' or 'NHWC'), "
+                        f"got {type(data_format).__name__} {data_format!r}")
+    if data_format not in _DATA_FORMATS:
+        raise ValueError("grid_sample(): expected data_format to be 'NCHW' or 'NHWC' ('NCDHW' or "
+                         f"'NDHWC' for a 5-D input), got {data_format!r}")
+    channels_last, required_rank = _DATA_FORMATS[data_format]
+    if required_rank is not None and rank != required_rank:
+        raise ValueError(f"grid_sample(): data_format {data_format!r} is for a 5-D input, got a "
+                         f"{rank}-D input (use 'NCHW' or 'NHWC')")
+    return channels_last
+
+
+def _check(input, grid, mode, padding_mode, align_corners, deterministic,
+           data_format) -> _Attrs:
     check_float_dtypes("grid_sample", input=input, grid=grid)
     if not isinstance(mode, str) or mode not in _MODES:
         raise ValueError(
@@ -87,6 +118,7 @@ def _check(input, grid, mode, padding_mode, align_corners, deterministic) -> _At
     shape, grid_shape = tuple(input.shape), tuple(grid.shape)
     if input.ndim not in (4, 5):
         raise ValueError(f"grid_sample(): expected a 4-D or 5-D input, got shape {shape}")
+    channels_last = _check_data_format(data_format, input.ndim)
     dims = input.ndim - 2
     if grid.ndim != input.ndim or grid_shape[-1] != dims:
         expected = "(N, Ho, Wo, 2)" if dims == 2 else "(N, Do, Ho, Wo, 3)"
@@ -95,13 +127,15 @@ def _check(input, grid, mode, padding_mode, align_corners, deterministic) -> _At
     if grid_shape[0] != shape[0]:
         raise ValueError("grid_sample(): expected grid and input to have the same batch size, got "
                          f"input {shape} and grid {grid_shape}")
-    if any(s == 0 for s in shape[2:]):
-        raise ValueError(
-            f"grid_sample(): expected input to have non-empty spatial dimensions, got {shape}")
+    if any(s == 0 for s in (shape[1:-1] if channels_last else shape[2:])):
+        layout = " (channels-last)" if channels_last else ""
+        raise ValueError("grid_sample(): expected input to have non-empty spatial dimensions, got "
+                         f"{shape}{layout}")
     if mode == "bicubic" and dims != 2:
         raise ValueError(
             f"grid_sample(): mode 'bicubic' supports only 4-D input, got input of shape {shape}")
-    return _Attrs(_MODES[mode], _PADDINGS[padding_mode], bool(align_corners), bool(deterministic))
+    return _Attrs(_MODES[mode], _PADDINGS[padding_mode], bool(align_corners), bool(deterministic),
+                  channels_last)
 
 
 # --- the kernels as primitives ------------------------------------------------------------------
@@ -165,17 +199,40 @@ def _nearest(attrs: _Attrs) -> bool:
     return attrs.mode == _MODES["nearest"]
 
 
+def _target(attrs: _Attrs, pass_: str) -> str:
+    """The FFI target of `pass_` (e.g. "fwd", "bwd_input_directional") in the call's layout."""
+    return f"jk_grid_sample_{'nhwc_' if attrs.channels_last else ''}{pass_}"
+
+
+def _channels(x, attrs: _Attrs) -> int:
+    """The channel count of an input- or output-shaped array."""
+    return x.shape[-1] if attrs.channels_last else x.shape[1]
+
+
+def _spatial(shape, attrs: _Attrs) -> tuple[int, ...]:
+    """The spatial extents of an input- or output-shaped array's shape."""
+    return tuple(shape[1:-1] if attrs.channels_last else shape[2:])
+
+
+def _with_channels(batch: int, channels: int, spatial, attrs: _Attrs) -> tuple[int, ...]:
+    """An input- or output-shaped array's shape in the call's layout."""
+    spatial = tuple(spatial)
+    if attrs.channels_last:
+        return (batch,) + spatial + (channels,)
+    return (batch, channels) + spatial
+
+
 # gather_k(input, grid, *directions)
 
 
 def _gather_shape(input, grid, *directions, attrs, maps):
     M = _output_batch(input.shape[0], maps[0])
-    return (M, input.shape[1]) + grid.shape[1:-1], input.dtype
+    return _with_channels(M, _channels(input, attrs), grid.shape[1:-1], attrs), input.dtype
 
 
 def _gather_emit(input, grid, *directions, attrs, maps):
     out = jax.ShapeDtypeStruct(*_gather_shape(input, grid, attrs=attrs, maps=maps))
-    target = "jk_grid_sample_fwd_directional" if directions else "jk_grid_sample_fwd"
+    target = _target(attrs, "fwd_directional" if directions else "fwd")
     return _ffi.call(target, out, input, grid, *directions, **_ffi_attributes(attrs, maps))
 
 
@@ -228,11 +285,12 @@ def _scatter_emit(dout, grid, *directions, attrs, maps, cells_shape):
     def scratch_bytes():
         return _ffi.query("grid_sample_bwd_input_scratch", batch=d_input.shape[0],
                           points=int(np.prod(grid.shape[1:-1])),
-                          cells=int(np.prod(d_input.shape[2:])), dims=grid.shape[-1],
+                          cells=int(np.prod(_spatial(d_input.shape, attrs))),
+                          dims=grid.shape[-1],
                           mode=attrs.mode, element_bytes=np.dtype(dout.dtype).itemsize,
                           deterministic=deterministic)
 
-    target = "jk_grid_sample_bwd_input_directional" if directions else "jk_grid_sample_bwd_input"
+    target = _target(attrs, "bwd_input_directional" if directions else "bwd_input")
     return _ffi.call_with_cuda_scratch(target, d_input, dout, grid, *directions,
                                        scratch_bytes=scratch_bytes, cpu_scratch=True,
                                        **_ffi_attributes(attrs, maps))
@@ -281,7 +339,7 @@ def _reduce_emit(dout, input, grid, *directions, attrs, maps):
     d_grid = jax.ShapeDtypeStruct(*_reduce_shape(dout, input, grid, attrs=attrs, maps=maps))
     if _nearest(attrs):  # the weights do not move with the grid
         return jnp.zeros(d_grid.shape, d_grid.dtype)
-    target = "jk_grid_sample_bwd_grid_directional" if directions else "jk_grid_sample_bwd_grid"
+    target = _target(attrs, "bwd_grid_directional" if directions else "bwd_grid")
     return _ffi.call(target, d_grid, dout, input, grid, *directions,
                      **_ffi_attributes(attrs, maps))
 
@@ -413,22 +471,27 @@ def _local_maps(operands, params, shape, offsets):
     return operands, params
 
 
+def _with_c(batch: str, spatial: tuple[str, ...], attrs: _Attrs) -> tuple[str, ...]:
+    """The factors of an input- or output-shaped array: its channels "c" in the call's layout."""
+    return (batch,) + spatial + ("c",) if attrs.channels_last else (batch, "c") + spatial
+
+
 def _gather_sharding(input, grid, *dirs, attrs, maps):
     n, free = _batch_factors(maps, 3 + len(dirs))
     s, o = _dims(input.ndim - 2, "s"), _dims(grid.ndim - 2, "o")
     points = o + ("g",)
-    return _partition.Spec(((n[0], "c") + s, (n[1],) + points)
+    return _partition.Spec((_with_c(n[0], s, attrs), (n[1],) + points)
                            + tuple((n[2 + j],) + points for j in range(len(dirs))),
-                           (n[-1], "c") + o, free | {"c"} | set(o), local=_local_maps)
+                           _with_c(n[-1], o, attrs), free | {"c"} | set(o), local=_local_maps)
 
 
 def _scatter_sharding(dout, grid, *dirs, attrs, maps, cells_shape):
     n, free = _batch_factors(maps, 3 + len(dirs))
     s, o = _dims(len(cells_shape) - 1, "s"), _dims(grid.ndim - 2, "o")
     points = o + ("g",)
-    return _partition.Spec(((n[0], "c") + o, (n[1],) + points)
+    return _partition.Spec((_with_c(n[0], o, attrs), (n[1],) + points)
                            + tuple((n[2 + j],) + points for j in range(len(dirs))),
-                           (n[-1], "c") + s, free | {"c"} | set(o), local=_local_maps)
+                           _with_c(n[-1], s, attrs), free | {"c"} | set(o), local=_local_maps)
 
 
 def _reduce_sharding(dout, input, grid, *dirs, attrs, maps):
@@ -437,7 +500,7 @@ def _reduce_sharding(dout, input, grid, *dirs, attrs, maps):
     n, free = _batch_factors(maps, 4 + len(dirs))
     s, o = _dims(input.ndim - 2, "s"), _dims(grid.ndim - 2, "o")
     points = o + ("g",)
-    return _partition.Spec(((n[0], "c") + o, (n[1], "c") + s, (n[2],) + points)
+    return _partition.Spec((_with_c(n[0], o, attrs), _with_c(n[1], s, attrs), (n[2],) + points)
                            + tuple((n[3 + j],) + points for j in range(len(dirs))),
                            (n[-1],) + points, free | {"c"} | set(o), local=_local_maps)
 

@@ -63,11 +63,14 @@ def roi_align_cases(dtype):
 
 def grid_sample_cases(dtype):
     # grid_sample: every mode, 4-D and 5-D, coordinates inside, outside, on the borders, NaN,
-    # infinite and huge, under each padding; both d_input paths, a vmap over grids, no points.
+    # infinite and huge, under each padding; both d_input paths, a vmap over grids, no points;
+    # channels-first and channels-last (the jk_grid_sample_nhwc_* kernels).
     specials = [0.3, -1.0, 1.0, -1.7, 2.5, np.nan, np.inf, -np.inf, 1e30, -1e10]
-    for rank in (4, 5):
+    for rank, data_format in ((4, "NCHW"), (5, "NCHW"), (4, "NHWC"), (5, "NHWC")):
         dims = rank - 2
         x = rand(2, 5, *((4, 7, 9)[3 - dims:]), dtype=dtype)
+        if data_format == "NHWC":
+            x = jnp.moveaxis(x, 1, -1)
         coords = np.stack(np.meshgrid(*[specials] * dims, indexing="ij"), axis=-1)
         grid = jnp.asarray(np.broadcast_to(coords.reshape((1,) * dims + (-1, dims)),
                                            (2,) + (1,) * (dims - 1) + (len(specials) ** dims, dims)))
@@ -77,13 +80,15 @@ def grid_sample_cases(dtype):
             for padding, align, deterministic in (("zeros", False, True), ("reflection", True, True),
                                                   *(("border", False, d) for d in atomics)):
                 op = lambda x, g: jk.grid_sample(x, g, mode, padding, align,
-                                                 deterministic=deterministic)
+                                                 deterministic=deterministic,
+                                                 data_format=data_format)
                 grad = jax.grad(lambda x, g: jnp.sum(op(x, g).astype(jnp.float32)), argnums=(0, 1))
                 jax.block_until_ready(grad(x, grid))
                 if deterministic:
                     second_order(lambda x, g: jnp.sum(op(x, g).astype(jnp.float32) ** 2), x, grid)
         jax.block_until_ready(jax.vmap(grad, (None, 0))(x, jnp.stack([grid, -grid])))
-        no_points = lambda x: jnp.sum(jk.grid_sample(x, grid[:, :0]).astype(jnp.float32))
+        no_points = lambda x: jnp.sum(jk.grid_sample(x, grid[:, :0], data_format=data_format)
+                                      .astype(jnp.float32))
         jax.block_until_ready(jax.grad(no_points)(x))
 
 

@@ -1,5 +1,7 @@
 // CPU FFI handlers of grid_sample: the forward, the backward for d_input and the backward for
-// d_grid (torch.nn.functional.grid_sample semantics; the math is in grid_sample.h).
+// d_grid (torch.nn.functional.grid_sample semantics; the math is in grid_sample.h), each
+// instantiated for both layouts: the jk_grid_sample_* targets (channels-first, NCHW) and the
+// jk_grid_sample_nhwc_* targets (channels-last), which read and write NHWC in place.
 //
 // Output points are processed in tiles: the taps of a tile (cell offsets, weights, slopes) are
 // computed once and reused for every channel, so the inner loops run along contiguous rows of
@@ -55,11 +57,12 @@ struct TileTaps {
     }
   }
 
-  // The value tap t of point p reads from a channel plane. A skipped tap reads cell 0 (always
-  // in bounds: skipped taps have offset 0) and counts as zero, whatever that cell holds.
+  // The value tap t of point p reads from a channel plane whose cells lie `stride` elements
+  // apart. A skipped tap reads cell 0 (always in bounds: skipped taps have offset 0) and counts
+  // as zero, whatever that cell holds.
   template <bool kChecked, class T>
-  A value(const T* plane, int t, int64_t p) const {
-    const A v = to_acc(plane[offset[t][p]]);
+  A value(const T* plane, int t, int64_t p, int64_t stride) const {
+    const A v = to_acc(plane[offset[t][p] * stride]);
     if constexpr (kChecked) return valid[t][p] ? v : A(0);
     return v;
   }
@@ -91,11 +94,12 @@ void with_checks(bool all_valid, Body&& body) {
   }
 }
 
-template <class T, GridSampleMode kMode, int kDims>
+template <class T, GridSampleMode kMode, int kDims, GridSampleLayout kLayout>
 void forward(const GridSampleCall& call, const T* input, const T* grid, T* out) {
   using A = acc_t<T>;
   using Tile = TileTaps<A, kMode, kDims>;
   const GridSampleGeometry& g = call.geometry;
+  const RowLayout<kLayout, int64_t> in_row{g.channels, g.cells}, out_row{g.channels, g.points};
   const int64_t tiles = tiles_per_row(g);
   parallel_for(g.batch * tiles, tile_grain(g, Tile::kCount), [&](int64_t begin, int64_t end) {
     auto taps = std::make_unique<Tile>();
@@ -105,7 +109,7 @@ void forward(const GridSampleCall& call, const T* input, const T* grid, T* out) 
       const int64_t count = std::min(kTile, g.points - p0);
       taps->template compute<false>(g, grid + (call.grid_map(m) * g.points + p0) * kDims, count);
       const T* in = input + call.input_map(m) * g.channels * g.cells;
-      T* o = out + m * g.channels * g.points + p0;
+      T* o = out + m * g.channels * g.points;
       with_checks(taps->all_valid, [&](auto checked) {
         constexpr bool kChecked = decltype(checked)::value;
         for_channel_blocks(g.channels, [&](int64_t c, auto block) {
@@ -115,9 +119,10 @@ void forward(const GridSampleCall& call, const T* input, const T* grid, T* out) 
             for (int t = 0; t < Tile::kCount; ++t) {
               const A w = taps->weight[t][p];
               for (int b = 0; b < B; ++b)
-                sum[b] += w * taps->template value<kChecked>(in + (c + b) * g.cells, t, p);
+                sum[b] += w * taps->template value<kChecked>(in + (c + b) * in_row.channel_stride(),
+                                                             t, p, in_row.position_stride());
             }
-            for (int b = 0; b < B; ++b) o[(c + b) * g.points + p] = from_acc<T>(sum[b]);
+            for (int b = 0; b < B; ++b) o[out_row.at(c + b, p0 + p)] = from_acc<T>(sum[b]);
           }
         });
       });
@@ -125,12 +130,13 @@ void forward(const GridSampleCall& call, const T* input, const T* grid, T* out) 
   });
 }
 
-template <class T, GridSampleMode kMode, int kDims>
+template <class T, GridSampleMode kMode, int kDims, GridSampleLayout kLayout>
 void backward_grid(const GridSampleCall& call, const T* dout, const T* input, const T* grid,
                    T* d_grid) {
   using A = acc_t<T>;
   using Tile = TileTaps<A, kMode, kDims>;
   const GridSampleGeometry& g = call.geometry;
+  const RowLayout<kLayout, int64_t> in_row{g.channels, g.cells}, out_row{g.channels, g.points};
   const int64_t tiles = tiles_per_row(g);
   parallel_for(g.batch * tiles, tile_grain(g, Tile::kCount), [&](int64_t begin, int64_t end) {
     auto taps = std::make_unique<Tile>();
@@ -142,7 +148,7 @@ void backward_grid(const GridSampleCall& call, const T* dout, const T* input, co
       taps->template compute<true>(g, grid + (call.grid_map(m) * g.points + p0) * kDims, count);
       std::fill(sums.begin(), sums.end(), A(0));
       const T* in = input + call.input_map(m) * g.channels * g.cells;
-      const T* d = dout + call.dout_map(m) * g.channels * g.points + p0;
+      const T* d = dout + call.dout_map(m) * g.channels * g.points;
       with_checks(taps->all_valid, [&](auto checked) {
         constexpr bool kChecked = decltype(checked)::value;
         for_channel_blocks(g.channels, [&](int64_t c, auto block) {
@@ -151,13 +157,14 @@ void backward_grid(const GridSampleCall& call, const T* dout, const T* input, co
             A along[B][kDims] = {};
             for (int t = 0; t < Tile::kCount; ++t) {
               for (int b = 0; b < B; ++b) {
-                const A v = taps->template value<kChecked>(in + (c + b) * g.cells, t, p);
+                const A v = taps->template value<kChecked>(
+                    in + (c + b) * in_row.channel_stride(), t, p, in_row.position_stride());
                 for (int a = 0; a < kDims; ++a) along[b][a] += v * taps->slope[a][t][p];
               }
             }
             // Channels are added in order, as the block-free loop would.
             for (int b = 0; b < B; ++b) {
-              const A gout = to_acc(d[(c + b) * g.points + p]);
+              const A gout = to_acc(d[out_row.at(c + b, p0 + p)]);
               for (int a = 0; a < kDims; ++a) sums[a * kTile + p] += gout * along[b][a];
             }
           }
@@ -170,14 +177,16 @@ void backward_grid(const GridSampleCall& call, const T* dout, const T* input, co
   });
 }
 
-template <class T, GridSampleMode kMode, int kDims>
+template <class T, GridSampleMode kMode, int kDims, GridSampleLayout kLayout>
 void backward_input(const GridSampleCall& call, const T* dout, const T* grid, T* d_input) {
   using A = acc_t<T>;
   using Tile = TileTaps<A, kMode, kDims>;
   const GridSampleGeometry& g = call.geometry;
+  const RowLayout<kLayout, int64_t> out_row{g.channels, g.points};
   const int64_t tiles = tiles_per_row(g);
-  grid_sample_cpu::scatter_by_plane_groups(g, d_input, [&](int64_t m, int64_t c0, int64_t c1,
-                                                           A* acc) {
+  grid_sample_cpu::scatter_by_plane_groups<kLayout>(g, d_input, [&](int64_t m, int64_t c0,
+                                                                    int64_t c1, A* acc,
+                                                                    auto local) {
     auto taps = std::make_unique<Tile>();
     const T* d = dout + call.dout_map(m) * g.channels * g.points;
     const T* grid_row = grid + call.grid_map(m) * g.points * kDims;
@@ -190,12 +199,12 @@ void backward_input(const GridSampleCall& call, const T* dout, const T* grid, T*
           constexpr int B = decltype(block)::value;
           for (int64_t p = 0; p < count; ++p) {
             A gout[B];
-            for (int b = 0; b < B; ++b) gout[b] = to_acc(d[(c0 + c + b) * g.points + p0 + p]);
+            for (int b = 0; b < B; ++b) gout[b] = to_acc(d[out_row.at(c0 + c + b, p0 + p)]);
             for (int t = 0; t < Tile::kCount; ++t) {
               if (decltype(checked)::value && !taps->valid[t][p]) continue;
               const int64_t offset = taps->offset[t][p];
               const A w = taps->weight[t][p];
-              for (int b = 0; b < B; ++b) acc[(c + b) * g.cells + offset] += w * gout[b];
+              for (int b = 0; b < B; ++b) acc[local.at(c + b, offset)] += w * gout[b];
             }
           }
         });
@@ -205,11 +214,12 @@ void backward_input(const GridSampleCall& call, const T* dout, const T* grid, T*
 }
 
 
+template <GridSampleLayout kLayout>
 ffi::Error grid_sample_forward(ffi::AnyBuffer input, ffi::AnyBuffer grid,
                                ffi::Result<ffi::AnyBuffer> out, GridSampleAttrs attrs) {
   const char* op = "grid_sample";
   GridSampleCall call;
-  if (auto error = decode_grid_sample_call(op, GridSamplePass::kForward, {&input, &grid},
+  if (auto error = decode_grid_sample_call(op, GridSamplePass::kForward, kLayout, {&input, &grid},
                                           *out, attrs, &call);
       error.failure())
     return error;
@@ -218,7 +228,7 @@ ffi::Error grid_sample_forward(ffi::AnyBuffer input, ffi::AnyBuffer grid,
   return dispatch_float(input.element_type(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
     dispatch_grid_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
-      forward<T, decltype(mode_c)::value, decltype(dims_c)::value>(
+      forward<T, decltype(mode_c)::value, decltype(dims_c)::value, kLayout>(
           call, static_cast<const T*>(input.untyped_data()),
           static_cast<const T*>(grid.untyped_data()), static_cast<T*>(out->untyped_data()));
     });
@@ -227,13 +237,14 @@ ffi::Error grid_sample_forward(ffi::AnyBuffer input, ffi::AnyBuffer grid,
 }
 
 // The scratch result exists for the CUDA deterministic path; on the CPU it is empty.
+template <GridSampleLayout kLayout>
 ffi::Error grid_sample_backward_input(ffi::AnyBuffer dout, ffi::AnyBuffer grid,
                                       ffi::Result<ffi::AnyBuffer> d_input,
                                       ffi::Result<ffi::AnyBuffer> /*scratch*/,
                                       GridSampleAttrs attrs) {
   const char* op = "grid_sample backward d_input";
   GridSampleCall call;
-  if (auto error = decode_grid_sample_call(op, GridSamplePass::kBackwardInput, {&dout, &grid},
+  if (auto error = decode_grid_sample_call(op, GridSamplePass::kBackwardInput, kLayout, {&dout, &grid},
                                           *d_input, attrs, &call);
       error.failure())
     return error;
@@ -242,7 +253,7 @@ ffi::Error grid_sample_backward_input(ffi::AnyBuffer dout, ffi::AnyBuffer grid,
   return dispatch_float(dout.element_type(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
     dispatch_grid_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
-      backward_input<T, decltype(mode_c)::value, decltype(dims_c)::value>(
+      backward_input<T, decltype(mode_c)::value, decltype(dims_c)::value, kLayout>(
           call, static_cast<const T*>(dout.untyped_data()),
           static_cast<const T*>(grid.untyped_data()), static_cast<T*>(d_input->untyped_data()));
     });
@@ -250,12 +261,13 @@ ffi::Error grid_sample_backward_input(ffi::AnyBuffer dout, ffi::AnyBuffer grid,
   });
 }
 
+template <GridSampleLayout kLayout>
 ffi::Error grid_sample_backward_grid(ffi::AnyBuffer dout, ffi::AnyBuffer input,
                                      ffi::AnyBuffer grid, ffi::Result<ffi::AnyBuffer> d_grid,
                                      GridSampleAttrs attrs) {
   const char* op = "grid_sample backward d_grid";
   GridSampleCall call;
-  if (auto error = decode_grid_sample_call(op, GridSamplePass::kBackwardGrid,
+  if (auto error = decode_grid_sample_call(op, GridSamplePass::kBackwardGrid, kLayout,
                                           {&dout, &input, &grid}, *d_grid, attrs, &call);
       error.failure())
     return error;
@@ -264,7 +276,7 @@ ffi::Error grid_sample_backward_grid(ffi::AnyBuffer dout, ffi::AnyBuffer input,
   return dispatch_float(dout.element_type(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
     dispatch_grid_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
-      backward_grid<T, decltype(mode_c)::value, decltype(dims_c)::value>(
+      backward_grid<T, decltype(mode_c)::value, decltype(dims_c)::value, kLayout>(
           call, static_cast<const T*>(dout.untyped_data()),
           static_cast<const T*>(input.untyped_data()), static_cast<const T*>(grid.untyped_data()),
           static_cast<T*>(d_grid->untyped_data()));
@@ -280,26 +292,32 @@ JK_GRID_SAMPLE_REGISTER_ATTRS();
 
 namespace jax_kernels {
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleForwardCpu, grid_sample_forward,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attrs<GridSampleAttrs>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleBackwardInputCpu, grid_sample_backward_input,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attrs<GridSampleAttrs>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleBackwardGridCpu, grid_sample_backward_grid,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attrs<GridSampleAttrs>());
+// The three handlers of one layout, as symbols <Prefix>ForwardCpu, <Prefix>BackwardInputCpu and
+// <Prefix>BackwardGridCpu.
+#define JK_GRID_SAMPLE_CPU_HANDLERS(Prefix, kLayout)                                           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Prefix##ForwardCpu, grid_sample_forward<kLayout>,              \
+                                ffi::Ffi::Bind()                                               \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Ret<ffi::AnyBuffer>()                                     \
+                                    .Attrs<GridSampleAttrs>());                                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Prefix##BackwardInputCpu, grid_sample_backward_input<kLayout>, \
+                                ffi::Ffi::Bind()                                               \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Ret<ffi::AnyBuffer>()                                     \
+                                    .Ret<ffi::AnyBuffer>()                                     \
+                                    .Attrs<GridSampleAttrs>());                                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Prefix##BackwardGridCpu, grid_sample_backward_grid<kLayout>,   \
+                                ffi::Ffi::Bind()                                               \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Ret<ffi::AnyBuffer>()                                     \
+                                    .Attrs<GridSampleAttrs>())
+
+JK_GRID_SAMPLE_CPU_HANDLERS(GridSample, GridSampleLayout::kChannelsFirst);
+JK_GRID_SAMPLE_CPU_HANDLERS(GridSampleNhwc, GridSampleLayout::kChannelsLast);
 
 JK_REGISTER_TARGET("jk_grid_sample_fwd", GridSampleForwardCpu, "grid_sample", "forward",
                    "cpu tiled gather", "bitwise");
@@ -307,5 +325,12 @@ JK_REGISTER_TARGET("jk_grid_sample_bwd_input", GridSampleBackwardInputCpu, "grid
                    "backward d_input", "cpu ordered scatter per channel range", "bitwise");
 JK_REGISTER_TARGET("jk_grid_sample_bwd_grid", GridSampleBackwardGridCpu, "grid_sample",
                    "backward d_grid", "cpu tiled gather", "bitwise");
+JK_REGISTER_TARGET("jk_grid_sample_nhwc_fwd", GridSampleNhwcForwardCpu, "grid_sample", "forward",
+                   "cpu tiled gather, NHWC", "bitwise");
+JK_REGISTER_TARGET("jk_grid_sample_nhwc_bwd_input", GridSampleNhwcBackwardInputCpu,
+                   "grid_sample", "backward d_input",
+                   "cpu ordered scatter per channel range, NHWC", "bitwise");
+JK_REGISTER_TARGET("jk_grid_sample_nhwc_bwd_grid", GridSampleNhwcBackwardGridCpu, "grid_sample",
+                   "backward d_grid", "cpu tiled gather, NHWC", "bitwise");
 
 }  // namespace jax_kernels

@@ -2,6 +2,8 @@
 // with tap weights replaced by their first or second directional derivatives along grid
 // directions u[, v], and the derivative of the d_grid backward along u (the math, shared with
 // CUDA, is PointTapDerivatives in grid_sample.h). They serve forward mode and second order.
+// Each is instantiated for both layouts (jk_grid_sample_*_directional, channels-first, and
+// jk_grid_sample_nhwc_*_directional, channels-last).
 //
 // Like the base passes (grid_sample.cc), points are processed in tiles whose taps are computed
 // once and reused for every channel; d_input gives each (batch row, channel range) to one thread,
@@ -55,12 +57,14 @@ void directional_taps(const GridSampleCall& call, const GridSampleDirections& di
   }
 }
 
-template <class T, GridSampleMode kMode, int kDims, int kOrder>
+template <class T, GridSampleMode kMode, int kDims, int kOrder, GridSampleLayout kLayout>
 void forward_directional(const GridSampleCall& call, const GridSampleDirections& dirs,
                          const T* input, const T* grid, const T* const (&direction)[2], T* out) {
   using A = acc_t<T>;
   using Taps = PointTapDerivatives<A, int64_t, kMode, kDims>;
   const GridSampleGeometry& g = call.geometry;
+  const RowLayout<kLayout, int64_t> in_row{g.channels, g.cells}, out_row{g.channels, g.points};
+  const int64_t stride = in_row.position_stride();
   const int64_t tiles = tiles_per_row(g);
   parallel_for(g.batch * tiles, tile_grain(g, Taps::kCount), [&](int64_t begin, int64_t end) {
     std::vector<Taps> taps(kTile);
@@ -71,31 +75,33 @@ void forward_directional(const GridSampleCall& call, const GridSampleDirections&
       directional_taps<kOrder, T, Taps, kDims>(call, dirs, grid, direction, m, p0, count,
                                                taps.data());
       const T* in = input + call.input_map(m) * g.channels * g.cells;
-      T* o = out + m * g.channels * g.points + p0;
+      T* o = out + m * g.channels * g.points;
       for (int64_t c = 0; c < g.channels; ++c) {
-        const T* plane = in + c * g.cells;
+        const T* plane = in + c * in_row.channel_stride();
         for (int64_t p = 0; p < count; ++p) {
           const Taps& tp = taps[p];
           A sum = A(0);
           for (int t = 0; t < Taps::kCount; ++t)
-            if (tp.valid[t]) sum += tp.weight[t] * to_acc(plane[tp.offset[t]]);
-          o[c * g.points + p] = from_acc<T>(sum);
+            if (tp.valid[t]) sum += tp.weight[t] * to_acc(plane[tp.offset[t] * stride]);
+          o[out_row.at(c, p0 + p)] = from_acc<T>(sum);
         }
       }
     }
   });
 }
 
-template <class T, GridSampleMode kMode, int kDims, int kOrder>
+template <class T, GridSampleMode kMode, int kDims, int kOrder, GridSampleLayout kLayout>
 void backward_input_directional(const GridSampleCall& call, const GridSampleDirections& dirs,
                                 const T* dout, const T* grid, const T* const (&direction)[2],
                                 T* d_input) {
   using A = acc_t<T>;
   using Taps = PointTapDerivatives<A, int64_t, kMode, kDims>;
   const GridSampleGeometry& g = call.geometry;
+  const RowLayout<kLayout, int64_t> out_row{g.channels, g.points};
   const int64_t tiles = tiles_per_row(g);
-  grid_sample_cpu::scatter_by_plane_groups(g, d_input, [&](int64_t m, int64_t c0, int64_t c1,
-                                                           A* acc) {
+  grid_sample_cpu::scatter_by_plane_groups<kLayout>(g, d_input, [&](int64_t m, int64_t c0,
+                                                                    int64_t c1, A* acc,
+                                                                    auto local) {
     std::vector<Taps> taps(kTile);
     const T* d = dout + call.dout_map(m) * g.channels * g.points;
     for (int64_t tile = 0; tile < tiles; ++tile) {
@@ -104,26 +110,28 @@ void backward_input_directional(const GridSampleCall& call, const GridSampleDire
       directional_taps<kOrder, T, Taps, kDims>(call, dirs, grid, direction, m, p0, count,
                                                taps.data());
       for (int64_t c = c0; c < c1; ++c) {
-        A* plane = acc + (c - c0) * g.cells;
-        const T* d_row = d + c * g.points + p0;
+        A* plane = acc + (c - c0) * local.channel_stride();
+        const int64_t stride = local.position_stride();
         for (int64_t p = 0; p < count; ++p) {
           const Taps& tp = taps[p];
-          const A gout = to_acc(d_row[p]);
+          const A gout = to_acc(d[out_row.at(c, p0 + p)]);
           for (int t = 0; t < Taps::kCount; ++t)
-            if (tp.valid[t]) plane[tp.offset[t]] += tp.weight[t] * gout;
+            if (tp.valid[t]) plane[tp.offset[t] * stride] += tp.weight[t] * gout;
         }
       }
     }
   });
 }
 
-template <class T, GridSampleMode kMode, int kDims>
+template <class T, GridSampleMode kMode, int kDims, GridSampleLayout kLayout>
 void backward_grid_directional(const GridSampleCall& call, const GridSampleDirections& dirs,
                                const T* dout, const T* input, const T* grid, const T* direction,
                                T* d_grid) {
   using A = acc_t<T>;
   using Taps = PointTapDerivatives<A, int64_t, kMode, kDims>;
   const GridSampleGeometry& g = call.geometry;
+  const RowLayout<kLayout, int64_t> in_row{g.channels, g.cells}, out_row{g.channels, g.points};
+  const int64_t stride = in_row.position_stride();
   const int64_t tiles = tiles_per_row(g);
   parallel_for(g.batch * tiles, tile_grain(g, Taps::kCount), [&](int64_t begin, int64_t end) {
     std::vector<Taps> taps(kTile);
@@ -140,18 +148,18 @@ void backward_grid_directional(const GridSampleCall& call, const GridSampleDirec
       }
       std::fill(sums.begin(), sums.end(), A(0));
       const T* in = input + call.input_map(m) * g.channels * g.cells;
-      const T* d = dout + call.dout_map(m) * g.channels * g.points + p0;
+      const T* d = dout + call.dout_map(m) * g.channels * g.points;
       for (int64_t c = 0; c < g.channels; ++c) {
-        const T* plane = in + c * g.cells;
+        const T* plane = in + c * in_row.channel_stride();
         for (int64_t p = 0; p < count; ++p) {
           const Taps& tp = taps[p];
           A along[kDims] = {};
           for (int t = 0; t < Taps::kCount; ++t) {
             if (!tp.valid[t]) continue;
-            const A value = to_acc(plane[tp.offset[t]]);
+            const A value = to_acc(plane[tp.offset[t] * stride]);
             for (int a = 0; a < kDims; ++a) along[a] += value * tp.along[a][t];
           }
-          const A gout = to_acc(d[c * g.points + p]);
+          const A gout = to_acc(d[out_row.at(c, p0 + p)]);
           for (int a = 0; a < kDims; ++a) sums[p * kDims + a] += gout * along[a];
         }
       }
@@ -171,6 +179,7 @@ void dispatch_directions(int count, F&& f) {
   }
 }
 
+template <GridSampleLayout kLayout>
 ffi::Error grid_sample_forward_directional(ffi::AnyBuffer input, ffi::AnyBuffer grid,
                                            ffi::RemainingArgs directions,
                                            ffi::Result<ffi::AnyBuffer> out,
@@ -179,7 +188,7 @@ ffi::Error grid_sample_forward_directional(ffi::AnyBuffer input, ffi::AnyBuffer 
   GridSampleCall call;
   GridSampleDirections dirs;
   DirectionOperands data;
-  if (auto error = decode_grid_sample_directional_call(op, GridSamplePass::kForwardDirectional,
+  if (auto error = decode_grid_sample_directional_call(op, GridSamplePass::kForwardDirectional, kLayout,
                                                        {&input, &grid}, directions, *out, attrs,
                                                        &call, &dirs, &data);
       error.failure())
@@ -197,7 +206,7 @@ ffi::Error grid_sample_forward_directional(ffi::AnyBuffer input, ffi::AnyBuffer 
     dispatch_differentiable_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
       dispatch_directions(dirs.count, [&](auto order_c) {
         forward_directional<T, decltype(mode_c)::value, decltype(dims_c)::value,
-                            decltype(order_c)::value>(
+                            decltype(order_c)::value, kLayout>(
             call, dirs, static_cast<const T*>(input.untyped_data()),
             static_cast<const T*>(grid.untyped_data()), direction,
             static_cast<T*>(out->untyped_data()));
@@ -208,6 +217,7 @@ ffi::Error grid_sample_forward_directional(ffi::AnyBuffer input, ffi::AnyBuffer 
 }
 
 // The scratch result exists for the CUDA sorted path; on the CPU it is empty.
+template <GridSampleLayout kLayout>
 ffi::Error grid_sample_backward_input_directional(ffi::AnyBuffer dout, ffi::AnyBuffer grid,
                                                   ffi::RemainingArgs directions,
                                                   ffi::Result<ffi::AnyBuffer> d_input,
@@ -218,7 +228,7 @@ ffi::Error grid_sample_backward_input_directional(ffi::AnyBuffer dout, ffi::AnyB
   GridSampleDirections dirs;
   DirectionOperands data;
   if (auto error = decode_grid_sample_directional_call(
-          op, GridSamplePass::kBackwardInputDirectional, {&dout, &grid}, directions, *d_input,
+          op, GridSamplePass::kBackwardInputDirectional, kLayout, {&dout, &grid}, directions, *d_input,
           attrs, &call, &dirs, &data);
       error.failure())
     return error;
@@ -235,7 +245,7 @@ ffi::Error grid_sample_backward_input_directional(ffi::AnyBuffer dout, ffi::AnyB
     dispatch_differentiable_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
       dispatch_directions(dirs.count, [&](auto order_c) {
         backward_input_directional<T, decltype(mode_c)::value, decltype(dims_c)::value,
-                                   decltype(order_c)::value>(
+                                   decltype(order_c)::value, kLayout>(
             call, dirs, static_cast<const T*>(dout.untyped_data()),
             static_cast<const T*>(grid.untyped_data()), direction,
             static_cast<T*>(d_input->untyped_data()));
@@ -245,6 +255,7 @@ ffi::Error grid_sample_backward_input_directional(ffi::AnyBuffer dout, ffi::AnyB
   });
 }
 
+template <GridSampleLayout kLayout>
 ffi::Error grid_sample_backward_grid_directional(ffi::AnyBuffer dout, ffi::AnyBuffer input,
                                                  ffi::AnyBuffer grid,
                                                  ffi::RemainingArgs directions,
@@ -255,7 +266,7 @@ ffi::Error grid_sample_backward_grid_directional(ffi::AnyBuffer dout, ffi::AnyBu
   GridSampleDirections dirs;
   DirectionOperands data;
   if (auto error = decode_grid_sample_directional_call(
-          op, GridSamplePass::kBackwardGridDirectional, {&dout, &input, &grid}, directions,
+          op, GridSamplePass::kBackwardGridDirectional, kLayout, {&dout, &input, &grid}, directions,
           *d_grid, attrs, &call, &dirs, &data);
       error.failure())
     return error;
@@ -268,7 +279,7 @@ ffi::Error grid_sample_backward_grid_directional(ffi::AnyBuffer dout, ffi::AnyBu
   return dispatch_float(dout.element_type(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
     dispatch_differentiable_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
-      backward_grid_directional<T, decltype(mode_c)::value, decltype(dims_c)::value>(
+      backward_grid_directional<T, decltype(mode_c)::value, decltype(dims_c)::value, kLayout>(
           call, dirs, static_cast<const T*>(dout.untyped_data()),
           static_cast<const T*>(input.untyped_data()), static_cast<const T*>(grid.untyped_data()),
           static_cast<const T*>(data.data[0]), static_cast<T*>(d_grid->untyped_data()));
@@ -284,31 +295,38 @@ JK_GRID_SAMPLE_REGISTER_ATTRS();
 
 namespace jax_kernels {
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleForwardDirectionalCpu, grid_sample_forward_directional,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attrs<GridSampleAttrs>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleBackwardInputDirectionalCpu,
-                              grid_sample_backward_input_directional,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attrs<GridSampleAttrs>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleBackwardGridDirectionalCpu,
-                              grid_sample_backward_grid_directional,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attrs<GridSampleAttrs>());
+// The three handlers of one layout, as symbols <Prefix>ForwardDirectionalCpu,
+// <Prefix>BackwardInputDirectionalCpu and <Prefix>BackwardGridDirectionalCpu.
+#define JK_GRID_SAMPLE_DIRECTIONAL_CPU_HANDLERS(Prefix, kLayout)                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Prefix##ForwardDirectionalCpu,                   \
+                                grid_sample_forward_directional<kLayout>,        \
+                                ffi::Ffi::Bind()                                  \
+                                    .Arg<ffi::AnyBuffer>()                        \
+                                    .Arg<ffi::AnyBuffer>()                        \
+                                    .RemainingArgs()                              \
+                                    .Ret<ffi::AnyBuffer>()                        \
+                                    .Attrs<GridSampleAttrs>());                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Prefix##BackwardInputDirectionalCpu,             \
+                                grid_sample_backward_input_directional<kLayout>, \
+                                ffi::Ffi::Bind()                                  \
+                                    .Arg<ffi::AnyBuffer>()                        \
+                                    .Arg<ffi::AnyBuffer>()                        \
+                                    .RemainingArgs()                              \
+                                    .Ret<ffi::AnyBuffer>()                        \
+                                    .Ret<ffi::AnyBuffer>()                        \
+                                    .Attrs<GridSampleAttrs>());                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Prefix##BackwardGridDirectionalCpu,              \
+                                grid_sample_backward_grid_directional<kLayout>,  \
+                                ffi::Ffi::Bind()                                  \
+                                    .Arg<ffi::AnyBuffer>()                        \
+                                    .Arg<ffi::AnyBuffer>()                        \
+                                    .Arg<ffi::AnyBuffer>()                        \
+                                    .RemainingArgs()                              \
+                                    .Ret<ffi::AnyBuffer>()                        \
+                                    .Attrs<GridSampleAttrs>())
+
+JK_GRID_SAMPLE_DIRECTIONAL_CPU_HANDLERS(GridSample, GridSampleLayout::kChannelsFirst);
+JK_GRID_SAMPLE_DIRECTIONAL_CPU_HANDLERS(GridSampleNhwc, GridSampleLayout::kChannelsLast);
 
 JK_REGISTER_TARGET("jk_grid_sample_fwd_directional", GridSampleForwardDirectionalCpu,
                    "grid_sample", "forward directional", "cpu tiled gather", "bitwise");
@@ -317,5 +335,14 @@ JK_REGISTER_TARGET("jk_grid_sample_bwd_input_directional", GridSampleBackwardInp
                    "cpu ordered scatter per channel range", "bitwise");
 JK_REGISTER_TARGET("jk_grid_sample_bwd_grid_directional", GridSampleBackwardGridDirectionalCpu,
                    "grid_sample", "backward d_grid directional", "cpu tiled gather", "bitwise");
+JK_REGISTER_TARGET("jk_grid_sample_nhwc_fwd_directional", GridSampleNhwcForwardDirectionalCpu,
+                   "grid_sample", "forward directional", "cpu tiled gather, NHWC", "bitwise");
+JK_REGISTER_TARGET("jk_grid_sample_nhwc_bwd_input_directional",
+                   GridSampleNhwcBackwardInputDirectionalCpu, "grid_sample",
+                   "backward d_input directional", "cpu ordered scatter per channel range, NHWC",
+                   "bitwise");
+JK_REGISTER_TARGET("jk_grid_sample_nhwc_bwd_grid_directional",
+                   GridSampleNhwcBackwardGridDirectionalCpu, "grid_sample",
+                   "backward d_grid directional", "cpu tiled gather, NHWC", "bitwise");
 
 }  // namespace jax_kernels

@@ -1,8 +1,10 @@
 // What the grid_sample passes (grid_sample.cu) and its directional passes (directional.cu) share
-// on CUDA: launch shapes over output points, coordinate and tap loads, the choice of index width,
+// on CUDA: launch shapes over output points and the threads' roles in them per layout (Lanes),
+// coordinate and tap loads, the choice of index width,
 // and the deterministic sorted scatter of d_input: every (point, tap) entry keyed by the input
 // cell it touches, a stable radix sort (CUB) that groups the entries by cell once per call, then
-// one thread per (cell, group of channels) that adds weight * dout in sorted order. Its arrays
+// one thread per (cell, group of channels) that adds weight * dout in sorted order (channels-last:
+// one thread per (cell, channel), consecutive threads on consecutive channels). Its arrays
 // live in XLA-provided scratch laid out by SortedLayout (the host query
 // "grid_sample_bwd_input_scratch" sizes it at trace time, for both passes).
 #pragma once
@@ -29,21 +31,44 @@ constexpr int kMaxSlices = 8;
 
 // ---- launch shapes ----------------------------------------------------------------------------
 
-// Blocks of kThreads = (points per block) x (channel slices). More slices when the points
-// alone would leave most of the GPU's thread slots empty, as long as each slice keeps at least
-// 16 channels to amortize the taps it recomputes; a slice takes channels s, s + slices, ...
+// Blocks of kThreads = (points per block) x (channel slices); a slice takes channels s,
+// s + slices, ... Channels-first: more slices when the points alone would leave most of the
+// GPU's thread slots empty, as long as each slice keeps at least 16 channels to amortize the
+// taps it recomputes. Channels-last: a slice per channel up to a warp (the smallest power of two
+// >= C, at most 32), so that a warp reads a tap's channels in one coalesced go.
 struct PointLaunch {
   dim3 grid;
   dim3 block;
 };
 
-inline PointLaunch launch_over_points(int64_t points, int64_t channels) {
-  const int64_t resident = int64_t(multiprocessor_count()) * 2048;
+constexpr int kMaxChannelsLastSlices = 32;
+
+inline PointLaunch launch_over_points(int64_t points, int64_t channels,
+                                      GridSampleLayout layout = GridSampleLayout::kChannelsFirst) {
   int slices = 1;
+  if (layout == GridSampleLayout::kChannelsLast) {
+    while (slices < kMaxChannelsLastSlices && slices < channels) slices *= 2;
+    const int per_block = kThreads / slices;
+    return PointLaunch{dim3(grid_blocks(points, per_block)), dim3(slices, per_block)};
+  }
+  const int64_t resident = int64_t(multiprocessor_count()) * 2048;
   while (slices < kMaxSlices && points * slices < resident && channels >= 32 * slices) slices *= 2;
   const int per_block = kThreads / slices;
   return PointLaunch{dim3(grid_blocks(points, per_block)), dim3(per_block, slices)};
 }
+
+// The roles of a point kernel's threads (launched by launch_over_points): which of its block's
+// points a thread serves, and its channel slice. Channels-first, threadIdx.x runs along the
+// points (a warp's loads and stores of one channel coalesce in NCHW); channels-last along the
+// slices (a warp's are one point's consecutive channels in NHWC).
+template <GridSampleLayout kLayout>
+struct Lanes {
+  static constexpr bool kLast = kLayout == GridSampleLayout::kChannelsLast;
+  __device__ __forceinline__ static unsigned point() { return kLast ? threadIdx.y : threadIdx.x; }
+  __device__ __forceinline__ static unsigned points() { return kLast ? blockDim.y : blockDim.x; }
+  __device__ __forceinline__ static unsigned slice() { return kLast ? threadIdx.x : threadIdx.y; }
+  __device__ __forceinline__ static unsigned slices() { return kLast ? blockDim.x : blockDim.y; }
+};
 
 template <class A, class Index, int kDims, class T>
 __device__ __forceinline__ void load_coordinates(const T* __restrict__ grid, Index row, Index p,
@@ -53,10 +78,12 @@ __device__ __forceinline__ void load_coordinates(const T* __restrict__ grid, Ind
   for (int d = 0; d < kDims; ++d) coord[d] = to_acc(at[d]);
 }
 
-// A skipped tap never reads memory and counts as zero.
-template <class A, class T, class Taps>
-__device__ __forceinline__ A tap_value(const T* __restrict__ plane, const Taps& taps, int t) {
-  return taps.valid[t] ? to_acc(plane[taps.offset[t]]) : A(0);
+// A skipped tap never reads memory and counts as zero. The plane's cells lie `stride` elements
+// apart (1 channels-first, C channels-last).
+template <class A, class T, class Taps, class Index>
+__device__ __forceinline__ A tap_value(const T* __restrict__ plane, const Taps& taps, int t,
+                                       Index stride) {
+  return taps.valid[t] ? to_acc(plane[taps.offset[t] * stride]) : A(0);
 }
 
 // ---- backward d_input, deterministic: sort entries by cell, then gather -------------------------
@@ -160,13 +187,41 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   }
 }
 
+// Channels-last: one thread per (cell, channel), channels fastest, so that the threads of a warp
+// share a cell's entries and read consecutive channels of each entry's dout point.
+template <class T, class Key, class Index>
+__global__ void __launch_bounds__(kThreads)
+    gather_channels_last_kernel(const T* __restrict__ dout, const Key* __restrict__ starts,
+                                const Key* __restrict__ ends, const Key* __restrict__ sorted_points,
+                                const acc_t<T>* __restrict__ sorted_weights,
+                                T* __restrict__ d_input, GridSampleCall call) {
+  using A = acc_t<T>;
+  const GridSampleGeometry& g = call.geometry;
+  const Index points = Index(g.points), channels = Index(g.channels), cells = Index(g.cells);
+  const Index total = Index(g.batch) * cells * channels;
+  const Index stride = Index(gridDim.x) * blockDim.x;
+  for (Index k = Index(blockIdx.x) * blockDim.x + threadIdx.x; k < total; k += stride) {
+    const Index cell = k / channels;  // m * cells + offset
+    const Index c = k - cell * channels;
+    const Index m = cell / cells;
+    const Index begin = Index(starts[cell]);
+    const Index end = Index(ends[cell]);
+    const T* d = dout + Index(call.dout_map(m)) * channels * points + c;
+    A sum = A(0);
+    for (Index i = begin; i < end; ++i)
+      sum += sorted_weights[i] * to_acc(d[Index(sorted_points[i]) * channels]);
+    d_input[k] = from_acc<T>(sum);
+  }
+}
+
 // The sorted (deterministic) d_input path, with keys and indices of type Key / Index: queues
 // build_entries(keys, values, weights), which must launch the kernel that writes every entry
 // e = t * total_points + q (key: the cell m * cells + offset of tap t of point q, or
 // l.sentinel for a tap outside the input; value: e; weight: the tap's weight), then sorts the
 // entries stably by key, marks each cell's segment and adds weight * dout per (cell, channel)
-// in sorted order. `op` names the pass in errors.
-template <class T, class Key, class Index, int kGatherMinBlocks = 1, class BuildEntries>
+// in sorted order. `op` names the pass in errors; kLayout is d_input's and dout's layout.
+template <class T, class Key, class Index, GridSampleLayout kLayout, int kGatherMinBlocks = 1,
+          class BuildEntries>
 ffi::Error sorted_scatter(cudaStream_t stream, const char* op, const GridSampleCall& call,
                           const SortedLayout& l, const T* dout, T* d_input, char* scratch,
                           BuildEntries&& build_entries) {
@@ -203,20 +258,26 @@ ffi::Error sorted_scatter(cudaStream_t stream, const char* op, const GridSampleC
   if (auto error = launch_status(op); error.failure()) return error;
 
   const int64_t cells = g.batch * g.cells;
-  const auto gather = [&](auto group) {
-    constexpr int G = decltype(group)::value;
-    const int64_t groups = (g.channels + G - 1) / G;
-    const unsigned blocks = grid_blocks(cells, kThreads);
-    const dim3 launch(blocks, unsigned(std::min<int64_t>(groups, 65535)));
-    gather_kernel<T, Key, Index, G, kGatherMinBlocks><<<launch, kThreads, 0, stream>>>(
-        dout, starts, ends, sorted_points, sorted_weights, d_input, call);
-  };
-  if (g.channels >= 8) {
-    gather(std::integral_constant<int, 8>{});
-  } else if (g.channels >= 4) {
-    gather(std::integral_constant<int, 4>{});
+  if constexpr (kLayout == GridSampleLayout::kChannelsLast) {
+    gather_channels_last_kernel<T, Key, Index>
+        <<<grid_blocks(cells * g.channels, kThreads), kThreads, 0, stream>>>(
+            dout, starts, ends, sorted_points, sorted_weights, d_input, call);
   } else {
-    gather(std::integral_constant<int, 1>{});
+    const auto gather = [&](auto group) {
+      constexpr int G = decltype(group)::value;
+      const int64_t groups = (g.channels + G - 1) / G;
+      const unsigned blocks = grid_blocks(cells, kThreads);
+      const dim3 launch(blocks, unsigned(std::min<int64_t>(groups, 65535)));
+      gather_kernel<T, Key, Index, G, kGatherMinBlocks><<<launch, kThreads, 0, stream>>>(
+          dout, starts, ends, sorted_points, sorted_weights, d_input, call);
+    };
+    if (g.channels >= 8) {
+      gather(std::integral_constant<int, 8>{});
+    } else if (g.channels >= 4) {
+      gather(std::integral_constant<int, 4>{});
+    } else {
+      gather(std::integral_constant<int, 1>{});
+    }
   }
   return launch_status(op);
 }

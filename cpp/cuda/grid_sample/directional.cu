@@ -9,6 +9,9 @@
 // fixed order). d_input is always the deterministic sorted scatter of the base pass (common.cuh)
 // with entries built from the directional weights, in scratch sized by the same host query.
 // Nearest sampling's weights are piecewise constant: every directional result is zero.
+// Each handler is instantiated for both layouts (jk_grid_sample_*_directional, channels-first;
+// jk_grid_sample_nhwc_*_directional, channels-last: the forward then puts a warp along the
+// channels of a point, like the base forward, and the sorted scatter gathers along C).
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -47,7 +50,8 @@ __device__ __forceinline__ void directional_taps(const T* __restrict__ grid,
 
 // ---- forward --------------------------------------------------------------------------------
 
-template <class T, class Index, GridSampleMode kMode, int kDims, int kOrder>
+template <class T, class Index, GridSampleMode kMode, int kDims, int kOrder,
+          GridSampleLayout kLayout>
 __global__ void __launch_bounds__(kThreads)
     forward_directional_kernel(const T* __restrict__ input, const T* __restrict__ grid,
                                const T* __restrict__ u, const T* __restrict__ v,
@@ -55,30 +59,34 @@ __global__ void __launch_bounds__(kThreads)
                                GridSampleDirections dirs) {
   using A = acc_t<T>;
   using Taps = PointTapDerivatives<A, Index, kMode, kDims>;
+  using L = Lanes<kLayout>;
   const GridSampleGeometry& g = call.geometry;
   const Index points = Index(g.points), channels = Index(g.channels), cells = Index(g.cells);
+  const RowLayout<kLayout, Index> in_row{channels, cells}, out_row{channels, points};
   const Index total = Index(g.batch) * points;
-  const Index stride = Index(gridDim.x) * blockDim.x;
-  for (Index q = Index(blockIdx.x) * blockDim.x + threadIdx.x; q < total; q += stride) {
+  const Index stride = Index(gridDim.x) * L::points();
+  for (Index q = Index(blockIdx.x) * L::points() + L::point(); q < total; q += stride) {
     const Index m = q / points;
     const Index p = q - m * points;
     Taps taps;
     directional_taps<kOrder, A, Index, kDims>(grid, u, v, call, dirs, m, p, &taps);
     const T* in = input + Index(call.input_map(m)) * channels * cells;
-    T* o = out + m * channels * points + p;
-    for (Index c = threadIdx.y; c < channels; c += blockDim.y) {
-      const T* plane = in + c * cells;
+    T* o = out + m * channels * points + out_row.at(0, p);
+    for (Index c = L::slice(); c < channels; c += L::slices()) {
+      const T* plane = in + c * in_row.channel_stride();
       A sum = A(0);
       JK_UNROLL
-      for (int t = 0; t < Taps::kCount; ++t) sum += taps.weight[t] * tap_value<A>(plane, taps, t);
-      o[c * points] = from_acc<T>(sum);
+      for (int t = 0; t < Taps::kCount; ++t)
+        sum += taps.weight[t] * tap_value<A>(plane, taps, t, in_row.position_stride());
+      o[c * out_row.channel_stride()] = from_acc<T>(sum);
     }
   }
 }
 
 // ---- backward d_grid --------------------------------------------------------------------------
 
-template <class T, class Index, GridSampleMode kMode, int kDims>
+// One thread per point in both layouts (channels-last reads are then strided by C per thread).
+template <class T, class Index, GridSampleMode kMode, int kDims, GridSampleLayout kLayout>
 __global__ void __launch_bounds__(kThreads)
     backward_grid_directional_kernel(const T* __restrict__ dout, const T* __restrict__ input,
                                      const T* __restrict__ grid, const T* __restrict__ u,
@@ -98,19 +106,20 @@ __global__ void __launch_bounds__(kThreads)
     load_coordinates<A, Index, kDims>(u, Index(dirs.map[0](m)), p, points, along_u);
     Taps taps;
     taps.compute_hessian_along(g, coord, along_u);
+    const RowLayout<kLayout, Index> in_row{channels, cells}, out_row{channels, points};
     const T* in = input + Index(call.input_map(m)) * channels * cells;
-    const T* d = dout + Index(call.dout_map(m)) * channels * points + p;
+    const T* d = dout + Index(call.dout_map(m)) * channels * points + out_row.at(0, p);
     A sums[kDims] = {};
     for (Index c = 0; c < channels; ++c) {
-      const T* plane = in + c * cells;
+      const T* plane = in + c * in_row.channel_stride();
       A along[kDims] = {};
       JK_UNROLL
       for (int t = 0; t < Taps::kCount; ++t) {
-        const A value = tap_value<A>(plane, taps, t);
+        const A value = tap_value<A>(plane, taps, t, in_row.position_stride());
         JK_UNROLL
         for (int a = 0; a < kDims; ++a) along[a] += value * taps.along[a][t];
       }
-      const A gout = to_acc(d[c * points]);
+      const A gout = to_acc(d[c * out_row.channel_stride()]);
       JK_UNROLL
       for (int a = 0; a < kDims; ++a) sums[a] += gout * along[a];
     }
@@ -149,14 +158,15 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <class T, class Key, class Index, GridSampleMode kMode, int kDims, int kOrder>
+template <class T, class Key, class Index, GridSampleMode kMode, int kDims, int kOrder,
+          GridSampleLayout kLayout>
 ffi::Error backward_input_directional_sorted(cudaStream_t stream, const char* op,
                                              const GridSampleCall& call,
                                              const GridSampleDirections& dirs,
                                              const SortedLayout& l, const T* dout, const T* grid,
                                              const T* u, const T* v, T* d_input, char* scratch) {
   const int64_t total_points = call.geometry.batch * call.geometry.points;
-  return sorted_scatter<T, Key, Index>(
+  return sorted_scatter<T, Key, Index, kLayout>(
       stream, op, call, l, dout, d_input, scratch,
       [&](Key* keys, Key* values, acc_t<T>* weights) {
         build_directional_entries_kernel<T, Key, Index, kMode, kDims, kOrder>
@@ -181,6 +191,7 @@ ffi::Error zero_result(const char* op, ffi::Result<ffi::AnyBuffer>& result, cuda
   return cuda_status(op, cudaMemsetAsync(result->untyped_data(), 0, result->size_bytes(), stream));
 }
 
+template <GridSampleLayout kLayout>
 ffi::Error grid_sample_forward_directional(cudaStream_t stream, ffi::AnyBuffer input,
                                            ffi::AnyBuffer grid, ffi::RemainingArgs directions,
                                            ffi::Result<ffi::AnyBuffer> out,
@@ -189,7 +200,7 @@ ffi::Error grid_sample_forward_directional(cudaStream_t stream, ffi::AnyBuffer i
   GridSampleCall call;
   GridSampleDirections dirs;
   DirectionOperands data;
-  if (auto error = decode_grid_sample_directional_call(op, GridSamplePass::kForwardDirectional,
+  if (auto error = decode_grid_sample_directional_call(op, GridSamplePass::kForwardDirectional, kLayout,
                                                        {&input, &grid}, directions, *out, attrs,
                                                        &call, &dirs, &data);
       error.failure())
@@ -199,14 +210,14 @@ ffi::Error grid_sample_forward_directional(cudaStream_t stream, ffi::AnyBuffer i
   if (call.mode == GridSampleMode::kNearest) return zero_result(op, out, stream);
   const bool narrow = fits_32_bits(
       call, {int64_t(input.element_count()), int64_t(grid.element_count()), data.elements});
-  const PointLaunch launch = launch_over_points(g.batch * g.points, g.channels);
+  const PointLaunch launch = launch_over_points(g.batch * g.points, g.channels, kLayout);
   return dispatch_float(input.element_type(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
     dispatch_differentiable_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
       dispatch_directions(dirs.count, [&](auto order_c) {
         with_index(narrow, [&](auto index) {
           forward_directional_kernel<T, decltype(index), decltype(mode_c)::value,
-                                     decltype(dims_c)::value, decltype(order_c)::value>
+                                     decltype(dims_c)::value, decltype(order_c)::value, kLayout>
               <<<launch.grid, launch.block, 0, stream>>>(
                   static_cast<const T*>(input.untyped_data()),
                   static_cast<const T*>(grid.untyped_data()),
@@ -219,6 +230,7 @@ ffi::Error grid_sample_forward_directional(cudaStream_t stream, ffi::AnyBuffer i
   });
 }
 
+template <GridSampleLayout kLayout>
 ffi::Error grid_sample_backward_grid_directional(cudaStream_t stream, ffi::AnyBuffer dout,
                                                  ffi::AnyBuffer input, ffi::AnyBuffer grid,
                                                  ffi::RemainingArgs directions,
@@ -229,7 +241,7 @@ ffi::Error grid_sample_backward_grid_directional(cudaStream_t stream, ffi::AnyBu
   GridSampleDirections dirs;
   DirectionOperands data;
   if (auto error = decode_grid_sample_directional_call(
-          op, GridSamplePass::kBackwardGridDirectional, {&dout, &input, &grid}, directions,
+          op, GridSamplePass::kBackwardGridDirectional, kLayout, {&dout, &input, &grid}, directions,
           *d_grid, attrs, &call, &dirs, &data);
       error.failure())
     return error;
@@ -246,7 +258,7 @@ ffi::Error grid_sample_backward_grid_directional(cudaStream_t stream, ffi::AnyBu
     dispatch_differentiable_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
       with_index(narrow, [&](auto index) {
         backward_grid_directional_kernel<T, decltype(index), decltype(mode_c)::value,
-                                         decltype(dims_c)::value>
+                                         decltype(dims_c)::value, kLayout>
             <<<grid_blocks(total_points, kThreads), kThreads, 0, stream>>>(
                 static_cast<const T*>(dout.untyped_data()),
                 static_cast<const T*>(input.untyped_data()),
@@ -259,6 +271,7 @@ ffi::Error grid_sample_backward_grid_directional(cudaStream_t stream, ffi::AnyBu
 }
 
 // Always the sorted (deterministic) path; `deterministic` is ignored.
+template <GridSampleLayout kLayout>
 ffi::Error grid_sample_backward_input_directional(cudaStream_t stream, ffi::AnyBuffer dout,
                                                   ffi::AnyBuffer grid,
                                                   ffi::RemainingArgs directions,
@@ -270,7 +283,7 @@ ffi::Error grid_sample_backward_input_directional(cudaStream_t stream, ffi::AnyB
   GridSampleDirections dirs;
   DirectionOperands data;
   if (auto error = decode_grid_sample_directional_call(
-          op, GridSamplePass::kBackwardInputDirectional, {&dout, &grid}, directions, *d_input,
+          op, GridSamplePass::kBackwardInputDirectional, kLayout, {&dout, &grid}, directions, *d_input,
           attrs, &call, &dirs, &data);
       error.failure())
     return error;
@@ -303,13 +316,16 @@ ffi::Error grid_sample_backward_input_directional(cudaStream_t stream, ffi::AnyB
       dispatch_directions(dirs.count, [&](auto order_c) {
         constexpr int kOrder = decltype(order_c)::value;
         if (layout.narrow && narrow_index) {
-          result = backward_input_directional_sorted<T, uint32_t, int32_t, kMode, kDims, kOrder>(
+          result = backward_input_directional_sorted<T, uint32_t, int32_t, kMode, kDims, kOrder,
+                                                     kLayout>(
               stream, op, call, dirs, layout, dout_data, grid_data, u, v, result_data, aligned);
         } else if (layout.narrow) {
-          result = backward_input_directional_sorted<T, uint32_t, int64_t, kMode, kDims, kOrder>(
+          result = backward_input_directional_sorted<T, uint32_t, int64_t, kMode, kDims, kOrder,
+                                                     kLayout>(
               stream, op, call, dirs, layout, dout_data, grid_data, u, v, result_data, aligned);
         } else {
-          result = backward_input_directional_sorted<T, uint64_t, int64_t, kMode, kDims, kOrder>(
+          result = backward_input_directional_sorted<T, uint64_t, int64_t, kMode, kDims, kOrder,
+                                                     kLayout>(
               stream, op, call, dirs, layout, dout_data, grid_data, u, v, result_data, aligned);
         }
       });
@@ -327,37 +343,44 @@ JK_GRID_SAMPLE_REGISTER_ATTRS();
 
 namespace jax_kernels {
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleForwardDirectionalCuda, grid_sample_forward_directional,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attrs<GridSampleAttrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleBackwardInputDirectionalCuda,
-                              grid_sample_backward_input_directional,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attrs<GridSampleAttrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleBackwardGridDirectionalCuda,
-                              grid_sample_backward_grid_directional,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attrs<GridSampleAttrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+// The three handlers of one layout, as symbols <Prefix>ForwardDirectionalCuda,
+// <Prefix>BackwardInputDirectionalCuda and <Prefix>BackwardGridDirectionalCuda.
+#define JK_GRID_SAMPLE_DIRECTIONAL_CUDA_HANDLERS(Prefix, kLayout)                 \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Prefix##ForwardDirectionalCuda,                  \
+                                grid_sample_forward_directional<kLayout>,        \
+                                ffi::Ffi::Bind()                                  \
+                                    .Ctx<Stream>()                                \
+                                    .Arg<ffi::AnyBuffer>()                        \
+                                    .Arg<ffi::AnyBuffer>()                        \
+                                    .RemainingArgs()                              \
+                                    .Ret<ffi::AnyBuffer>()                        \
+                                    .Attrs<GridSampleAttrs>(),                    \
+                                {ffi::Traits::kCmdBufferCompatible});             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Prefix##BackwardInputDirectionalCuda,            \
+                                grid_sample_backward_input_directional<kLayout>, \
+                                ffi::Ffi::Bind()                                  \
+                                    .Ctx<Stream>()                                \
+                                    .Arg<ffi::AnyBuffer>()                        \
+                                    .Arg<ffi::AnyBuffer>()                        \
+                                    .RemainingArgs()                              \
+                                    .Ret<ffi::AnyBuffer>()                        \
+                                    .Ret<ffi::AnyBuffer>()                        \
+                                    .Attrs<GridSampleAttrs>(),                    \
+                                {ffi::Traits::kCmdBufferCompatible});             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Prefix##BackwardGridDirectionalCuda,             \
+                                grid_sample_backward_grid_directional<kLayout>,  \
+                                ffi::Ffi::Bind()                                  \
+                                    .Ctx<Stream>()                                \
+                                    .Arg<ffi::AnyBuffer>()                        \
+                                    .Arg<ffi::AnyBuffer>()                        \
+                                    .Arg<ffi::AnyBuffer>()                        \
+                                    .RemainingArgs()                              \
+                                    .Ret<ffi::AnyBuffer>()                        \
+                                    .Attrs<GridSampleAttrs>(),                    \
+                                {ffi::Traits::kCmdBufferCompatible})
+
+JK_GRID_SAMPLE_DIRECTIONAL_CUDA_HANDLERS(GridSample, GridSampleLayout::kChannelsFirst);
+JK_GRID_SAMPLE_DIRECTIONAL_CUDA_HANDLERS(GridSampleNhwc, GridSampleLayout::kChannelsLast);
 
 JK_REGISTER_TARGET("jk_grid_sample_fwd_directional", GridSampleForwardDirectionalCuda,
                    "grid_sample", "forward directional", "cuda gather, taps in registers",
@@ -368,5 +391,16 @@ JK_REGISTER_TARGET("jk_grid_sample_bwd_input_directional", GridSampleBackwardInp
 JK_REGISTER_TARGET("jk_grid_sample_bwd_grid_directional", GridSampleBackwardGridDirectionalCuda,
                    "grid_sample", "backward d_grid directional",
                    "cuda gather, one thread per point", "bitwise");
+JK_REGISTER_TARGET("jk_grid_sample_nhwc_fwd_directional", GridSampleNhwcForwardDirectionalCuda,
+                   "grid_sample", "forward directional",
+                   "cuda gather, taps in registers, a warp along C (NHWC)", "bitwise");
+JK_REGISTER_TARGET("jk_grid_sample_nhwc_bwd_input_directional",
+                   GridSampleNhwcBackwardInputDirectionalCuda, "grid_sample",
+                   "backward d_input directional",
+                   "cuda radix sort by cell + ordered gather along C (NHWC)", "bitwise");
+JK_REGISTER_TARGET("jk_grid_sample_nhwc_bwd_grid_directional",
+                   GridSampleNhwcBackwardGridDirectionalCuda, "grid_sample",
+                   "backward d_grid directional", "cuda gather, one thread per point (NHWC)",
+                   "bitwise");
 
 }  // namespace jax_kernels

@@ -1,9 +1,13 @@
 // CUDA FFI handlers of grid_sample: the forward, the backward for d_input and the backward for
-// d_grid (torch.nn.functional.grid_sample semantics; the math is in grid_sample.h).
+// d_grid (torch.nn.functional.grid_sample semantics; the math is in grid_sample.h), each
+// instantiated for both layouts: jk_grid_sample_* (channels-first, NCHW) and
+// jk_grid_sample_nhwc_* (channels-last, read and written in place).
 //
 // Forward and d_grid: one thread per output point computes its taps once, in registers, and
 // loops over channels (split into a few channel slices per point when there are too few points
-// to fill the GPU; d_grid adds the slices in a fixed order through shared memory).
+// to fill the GPU; d_grid adds the slices in a fixed order through shared memory). Channels-last,
+// the slices are up to a warp of consecutive channels of one point (common.cuh: Lanes), which
+// compute the same taps and read each tap's channels in one coalesced load.
 //
 // d_input, deterministic (the default, and always for the half types): the scatter becomes a
 // gather. Every (point, tap) pair is an entry keyed by the input cell it touches; a stable
@@ -42,7 +46,8 @@ using namespace grid_sample_cuda;
 // 32-bit indices fits in 32 registers (no spills) with two channels in flight, so it asks for 8
 // blocks (every warp slot) per SM. It is latency-bound: on the H100 that measured 14% faster
 // than the compiler's 40 registers (6 blocks) with four channels in flight
-// (scripts/grid_sample_check.cu sweeps both). The other instances keep the compiler's choice.
+// (scripts/grid_sample_check.cu sweeps both). The other instances, and every channels-last one,
+// keep the compiler's choice.
 template <class T, class Index, GridSampleMode kMode, int kDims>
 constexpr bool small_point_state() {
   return sizeof(acc_t<T>) == 4 && sizeof(Index) == 4 && kDims == 2 &&
@@ -54,19 +59,23 @@ constexpr int forward_min_blocks() {
   return small_point_state<T, Index, kMode, kDims>() ? 8 : 1;
 }
 
-template <class T, class Index, GridSampleMode kMode, int kDims,
-          int kMinBlocks = forward_min_blocks<T, Index, kMode, kDims>(),
+template <class T, class Index, GridSampleMode kMode, int kDims, GridSampleLayout kLayout,
+          int kMinBlocks = kLayout == GridSampleLayout::kChannelsFirst
+                               ? forward_min_blocks<T, Index, kMode, kDims>()
+                               : 1,
           int kUnroll = kMinBlocks == 8 ? 2 : 4>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     forward_kernel(const T* __restrict__ input, const T* __restrict__ grid, T* __restrict__ out,
                    GridSampleCall call) {
   using A = acc_t<T>;
   using Taps = PointTaps<A, Index, kMode, kDims>;
+  using L = Lanes<kLayout>;
   const GridSampleGeometry& g = call.geometry;
   const Index points = Index(g.points), channels = Index(g.channels), cells = Index(g.cells);
+  const RowLayout<kLayout, Index> in_row{channels, cells}, out_row{channels, points};
   const Index total = Index(g.batch) * points;
-  const Index stride = Index(gridDim.x) * blockDim.x;
-  for (Index q = Index(blockIdx.x) * blockDim.x + threadIdx.x; q < total; q += stride) {
+  const Index stride = Index(gridDim.x) * L::points();
+  for (Index q = Index(blockIdx.x) * L::points() + L::point(); q < total; q += stride) {
     const Index m = q / points;
     const Index p = q - m * points;
     A coord[kDims];
@@ -74,14 +83,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     Taps taps;
     taps.template compute<false>(g, coord);
     const T* in = input + Index(call.input_map(m)) * channels * cells;
-    T* o = out + m * channels * points + p;
+    T* o = out + m * channels * points + out_row.at(0, p);
 #pragma unroll(kUnroll)
-    for (Index c = threadIdx.y; c < channels; c += blockDim.y) {
-      const T* plane = in + c * cells;
+    for (Index c = L::slice(); c < channels; c += L::slices()) {
+      const T* plane = in + c * in_row.channel_stride();
       A sum = A(0);
       JK_UNROLL
-      for (int t = 0; t < Taps::kCount; ++t) sum += taps.weight[t] * tap_value<A>(plane, taps, t);
-      o[c * points] = from_acc<T>(sum);
+      for (int t = 0; t < Taps::kCount; ++t)
+        sum += taps.weight[t] * tap_value<A>(plane, taps, t, in_row.position_stride());
+      o[c * out_row.channel_stride()] = from_acc<T>(sum);
     }
   }
 }
@@ -90,22 +100,28 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 
 // Likewise the d_grid pass of the same instances at 6 blocks per SM (40 registers): 10-11%
 // faster on the H100 than the compiler's 64 registers, and than 8 blocks, where it spills.
-template <class T, class Index, GridSampleMode kMode, int kDims,
-          int kMinBlocks = small_point_state<T, Index, kMode, kDims>() ? 6 : 1>
+template <class T, class Index, GridSampleMode kMode, int kDims, GridSampleLayout kLayout,
+          int kMinBlocks = kLayout == GridSampleLayout::kChannelsFirst &&
+                                   small_point_state<T, Index, kMode, kDims>()
+                               ? 6
+                               : 1>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     backward_grid_kernel(const T* __restrict__ dout, const T* __restrict__ input,
                          const T* __restrict__ grid, T* __restrict__ d_grid, GridSampleCall call) {
   using A = acc_t<T>;
   using Taps = PointTaps<A, Index, kMode, kDims>;
+  using L = Lanes<kLayout>;
   __shared__ A partial[kThreads * kDims];  // [slice][point in block][axis]
   const GridSampleGeometry& g = call.geometry;
   const Index points = Index(g.points), channels = Index(g.channels), cells = Index(g.cells);
+  const RowLayout<kLayout, Index> in_row{channels, cells}, out_row{channels, points};
   const Index total = Index(g.batch) * points;
-  const Index per_block = blockDim.x;
+  const Index per_block = L::points();
+  const unsigned slices = L::slices(), slice = L::slice(), lane = L::point();
   // Block-uniform loop: every thread reaches the barriers.
   const Index block_stride = Index(gridDim.x) * per_block;
   for (Index base = Index(blockIdx.x) * per_block; base < total; base += block_stride) {
-    const Index q = base + threadIdx.x;
+    const Index q = base + lane;
     const bool active = q < total;
     A sums[kDims] = {};
     if (active) {
@@ -116,35 +132,35 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       Taps taps;
       taps.template compute<true>(g, coord);
       const T* in = input + Index(call.input_map(m)) * channels * cells;
-      const T* d = dout + Index(call.dout_map(m)) * channels * points + p;
+      const T* d = dout + Index(call.dout_map(m)) * channels * points + out_row.at(0, p);
 #pragma unroll 2
-      for (Index c = threadIdx.y; c < channels; c += blockDim.y) {
-        const T* plane = in + c * cells;
+      for (Index c = slice; c < channels; c += slices) {
+        const T* plane = in + c * in_row.channel_stride();
         A along[kDims] = {};
         JK_UNROLL
         for (int t = 0; t < Taps::kCount; ++t) {
-          const A v = tap_value<A>(plane, taps, t);
+          const A v = tap_value<A>(plane, taps, t, in_row.position_stride());
           JK_UNROLL
           for (int a = 0; a < kDims; ++a) along[a] += v * taps.slope[a][t];
         }
-        const A gout = to_acc(d[c * points]);
+        const A gout = to_acc(d[c * out_row.channel_stride()]);
         JK_UNROLL
         for (int a = 0; a < kDims; ++a) sums[a] += gout * along[a];
       }
     }
-    if (blockDim.y == 1) {
+    if (slices == 1) {
       if (active)
         for (int a = 0; a < kDims; ++a) d_grid[q * kDims + a] = from_acc<T>(sums[a]);
       continue;
     }
     for (int a = 0; a < kDims; ++a)
-      partial[(threadIdx.y * blockDim.x + threadIdx.x) * kDims + a] = sums[a];
+      partial[(slice * unsigned(per_block) + lane) * kDims + a] = sums[a];
     __syncthreads();
-    if (threadIdx.y == 0 && active) {
+    if (slice == 0 && active) {
       for (int a = 0; a < kDims; ++a) {
-        A sum = partial[threadIdx.x * kDims + a];
-        for (unsigned s = 1; s < blockDim.y; ++s)
-          sum += partial[(s * blockDim.x + threadIdx.x) * kDims + a];
+        A sum = partial[lane * kDims + a];
+        for (unsigned s = 1; s < slices; ++s)
+          sum += partial[(s * unsigned(per_block) + lane) * kDims + a];
         d_grid[q * kDims + a] = from_acc<T>(sum);
       }
     }
@@ -154,32 +170,35 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 
 // ---- backward d_input with atomics ----------------------------------------------------------
 
-template <class T, class Index, GridSampleMode kMode, int kDims>
+template <class T, class Index, GridSampleMode kMode, int kDims, GridSampleLayout kLayout>
 __global__ void __launch_bounds__(kThreads)
     backward_input_atomic_kernel(const T* __restrict__ dout, const T* __restrict__ grid,
                                  T* __restrict__ d_input, GridSampleCall call) {
   using A = acc_t<T>;
   static_assert(std::is_same_v<A, T>, "atomics only for float32 and float64");
   using Taps = PointTaps<A, Index, kMode, kDims>;
+  using L = Lanes<kLayout>;
   const GridSampleGeometry& g = call.geometry;
   const Index points = Index(g.points), channels = Index(g.channels), cells = Index(g.cells);
+  const RowLayout<kLayout, Index> in_row{channels, cells}, out_row{channels, points};
   const Index total = Index(g.batch) * points;
-  const Index stride = Index(gridDim.x) * blockDim.x;
-  for (Index q = Index(blockIdx.x) * blockDim.x + threadIdx.x; q < total; q += stride) {
+  const Index stride = Index(gridDim.x) * L::points();
+  for (Index q = Index(blockIdx.x) * L::points() + L::point(); q < total; q += stride) {
     const Index m = q / points;
     const Index p = q - m * points;
     A coord[kDims];
     load_coordinates<A, Index, kDims>(grid, Index(call.grid_map(m)), p, points, coord);
     Taps taps;
     taps.template compute<false>(g, coord);
-    const T* d = dout + Index(call.dout_map(m)) * channels * points + p;
+    const T* d = dout + Index(call.dout_map(m)) * channels * points + out_row.at(0, p);
     T* result = d_input + m * channels * cells;
-    for (Index c = threadIdx.y; c < channels; c += blockDim.y) {
-      const A gout = d[c * points];
-      T* plane = result + c * cells;
+    for (Index c = L::slice(); c < channels; c += L::slices()) {
+      const A gout = d[c * out_row.channel_stride()];
+      T* plane = result + c * in_row.channel_stride();
       JK_UNROLL
       for (int t = 0; t < Taps::kCount; ++t)
-        if (taps.valid[t]) atomicAdd(plane + taps.offset[t], taps.weight[t] * gout);
+        if (taps.valid[t])
+          atomicAdd(plane + taps.offset[t] * in_row.position_stride(), taps.weight[t] * gout);
     }
   }
 }
@@ -231,11 +250,12 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- dispatch -------------------------------------------------------------------------------
 
+template <GridSampleLayout kLayout>
 ffi::Error grid_sample_forward(cudaStream_t stream, ffi::AnyBuffer input, ffi::AnyBuffer grid,
                                ffi::Result<ffi::AnyBuffer> out, GridSampleAttrs attrs) {
   const char* op = "grid_sample";
   GridSampleCall call;
-  if (auto error = decode_grid_sample_call(op, GridSamplePass::kForward, {&input, &grid},
+  if (auto error = decode_grid_sample_call(op, GridSamplePass::kForward, kLayout, {&input, &grid},
                                           *out, attrs, &call);
       error.failure())
     return error;
@@ -243,12 +263,13 @@ ffi::Error grid_sample_forward(cudaStream_t stream, ffi::AnyBuffer input, ffi::A
   if (g.batch * g.channels * g.points == 0) return ffi::Error::Success();
   const bool narrow =
       fits_32_bits(call, {int64_t(input.element_count()), int64_t(grid.element_count())});
-  const PointLaunch launch = launch_over_points(g.batch * g.points, g.channels);
+  const PointLaunch launch = launch_over_points(g.batch * g.points, g.channels, kLayout);
   return dispatch_float(input.element_type(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
     dispatch_grid_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
       with_index(narrow, [&](auto index) {
-        forward_kernel<T, decltype(index), decltype(mode_c)::value, decltype(dims_c)::value>
+        forward_kernel<T, decltype(index), decltype(mode_c)::value, decltype(dims_c)::value,
+                       kLayout>
             <<<launch.grid, launch.block, 0, stream>>>(
                 static_cast<const T*>(input.untyped_data()),
                 static_cast<const T*>(grid.untyped_data()), static_cast<T*>(out->untyped_data()),
@@ -259,12 +280,13 @@ ffi::Error grid_sample_forward(cudaStream_t stream, ffi::AnyBuffer input, ffi::A
   });
 }
 
+template <GridSampleLayout kLayout>
 ffi::Error grid_sample_backward_grid(cudaStream_t stream, ffi::AnyBuffer dout, ffi::AnyBuffer input,
                                      ffi::AnyBuffer grid, ffi::Result<ffi::AnyBuffer> d_grid,
                                      GridSampleAttrs attrs) {
   const char* op = "grid_sample backward d_grid";
   GridSampleCall call;
-  if (auto error = decode_grid_sample_call(op, GridSamplePass::kBackwardGrid,
+  if (auto error = decode_grid_sample_call(op, GridSamplePass::kBackwardGrid, kLayout,
                                           {&dout, &input, &grid}, *d_grid, attrs, &call);
       error.failure())
     return error;
@@ -276,12 +298,13 @@ ffi::Error grid_sample_backward_grid(cudaStream_t stream, ffi::AnyBuffer dout, f
   const bool narrow = fits_32_bits(call, {int64_t(dout.element_count()),
                                           int64_t(input.element_count()),
                                           int64_t(grid.element_count())});
-  const PointLaunch launch = launch_over_points(g.batch * g.points, g.channels);
+  const PointLaunch launch = launch_over_points(g.batch * g.points, g.channels, kLayout);
   return dispatch_float(dout.element_type(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
     dispatch_grid_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
       with_index(narrow, [&](auto index) {
-        backward_grid_kernel<T, decltype(index), decltype(mode_c)::value, decltype(dims_c)::value>
+        backward_grid_kernel<T, decltype(index), decltype(mode_c)::value, decltype(dims_c)::value,
+                             kLayout>
             <<<launch.grid, launch.block, 0, stream>>>(
                 static_cast<const T*>(dout.untyped_data()),
                 static_cast<const T*>(input.untyped_data()),
@@ -295,12 +318,12 @@ ffi::Error grid_sample_backward_grid(cudaStream_t stream, ffi::AnyBuffer dout, f
 
 // The sorted (deterministic) d_input path, with keys and indices of type Key / Index.
 template <class T, class Key, class Index, GridSampleMode kMode, int kDims,
-          int kGatherMinBlocks = 1>
+          GridSampleLayout kLayout, int kGatherMinBlocks = 1>
 ffi::Error backward_input_sorted(cudaStream_t stream, const GridSampleCall& call,
                                  const SortedLayout& l, const T* dout, const T* grid, T* d_input,
                                  char* scratch) {
   const int64_t total_points = call.geometry.batch * call.geometry.points;
-  return sorted_scatter<T, Key, Index, kGatherMinBlocks>(
+  return sorted_scatter<T, Key, Index, kLayout, kGatherMinBlocks>(
       stream, "grid_sample backward d_input", call, l, dout, d_input, scratch,
       [&](Key* keys, Key* values, acc_t<T>* weights) {
         build_entries_kernel<T, Key, Index, kMode, kDims>
@@ -309,12 +332,13 @@ ffi::Error backward_input_sorted(cudaStream_t stream, const GridSampleCall& call
       });
 }
 
+template <GridSampleLayout kLayout>
 ffi::Error grid_sample_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, ffi::AnyBuffer grid,
                                       ffi::Result<ffi::AnyBuffer> d_input,
                                       ffi::Result<ffi::AnyBuffer> scratch, GridSampleAttrs attrs) {
   const char* op = "grid_sample backward d_input";
   GridSampleCall call;
-  if (auto error = decode_grid_sample_call(op, GridSamplePass::kBackwardInput, {&dout, &grid},
+  if (auto error = decode_grid_sample_call(op, GridSamplePass::kBackwardInput, kLayout, {&dout, &grid},
                                           *d_input, attrs, &call);
       error.failure())
     return error;
@@ -335,11 +359,11 @@ ffi::Error grid_sample_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, 
                                                          d_input->size_bytes(), stream));
             error.failure())
           return error;
-        const PointLaunch launch = launch_over_points(g.batch * g.points, g.channels);
+        const PointLaunch launch = launch_over_points(g.batch * g.points, g.channels, kLayout);
         dispatch_grid_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
           with_index(narrow_index, [&](auto index) {
             backward_input_atomic_kernel<T, decltype(index), decltype(mode_c)::value,
-                                         decltype(dims_c)::value>
+                                         decltype(dims_c)::value, kLayout>
                 <<<launch.grid, launch.block, 0, stream>>>(
                     static_cast<const T*>(dout.untyped_data()),
                     static_cast<const T*>(grid.untyped_data()),
@@ -363,13 +387,13 @@ ffi::Error grid_sample_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, 
       const T* grid_data = static_cast<const T*>(grid.untyped_data());
       T* result_data = static_cast<T*>(d_input->untyped_data());
       if (layout.narrow && narrow_index) {
-        result = backward_input_sorted<T, uint32_t, int32_t, kMode, kDims>(
+        result = backward_input_sorted<T, uint32_t, int32_t, kMode, kDims, kLayout>(
             stream, call, layout, dout_data, grid_data, result_data, aligned);
       } else if (layout.narrow) {
-        result = backward_input_sorted<T, uint32_t, int64_t, kMode, kDims>(
+        result = backward_input_sorted<T, uint32_t, int64_t, kMode, kDims, kLayout>(
             stream, call, layout, dout_data, grid_data, result_data, aligned);
       } else {
-        result = backward_input_sorted<T, uint64_t, int64_t, kMode, kDims>(
+        result = backward_input_sorted<T, uint64_t, int64_t, kMode, kDims, kLayout>(
             stream, call, layout, dout_data, grid_data, result_data, aligned);
       }
     });
@@ -386,32 +410,38 @@ JK_GRID_SAMPLE_REGISTER_ATTRS();
 
 namespace jax_kernels {
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleForwardCuda, grid_sample_forward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attrs<GridSampleAttrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleBackwardInputCuda, grid_sample_backward_input,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attrs<GridSampleAttrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleBackwardGridCuda, grid_sample_backward_grid,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attrs<GridSampleAttrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+// The three handlers of one layout, as symbols <Prefix>ForwardCuda, <Prefix>BackwardInputCuda and
+// <Prefix>BackwardGridCuda.
+#define JK_GRID_SAMPLE_CUDA_HANDLERS(Prefix, kLayout)                                           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Prefix##ForwardCuda, grid_sample_forward<kLayout>,              \
+                                ffi::Ffi::Bind()                                                \
+                                    .Ctx<Stream>()                                              \
+                                    .Arg<ffi::AnyBuffer>()                                      \
+                                    .Arg<ffi::AnyBuffer>()                                      \
+                                    .Ret<ffi::AnyBuffer>()                                      \
+                                    .Attrs<GridSampleAttrs>(),                                  \
+                                {ffi::Traits::kCmdBufferCompatible});                           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Prefix##BackwardInputCuda, grid_sample_backward_input<kLayout>, \
+                                ffi::Ffi::Bind()                                                \
+                                    .Ctx<Stream>()                                              \
+                                    .Arg<ffi::AnyBuffer>()                                      \
+                                    .Arg<ffi::AnyBuffer>()                                      \
+                                    .Ret<ffi::AnyBuffer>()                                      \
+                                    .Ret<ffi::AnyBuffer>()                                      \
+                                    .Attrs<GridSampleAttrs>(),                                  \
+                                {ffi::Traits::kCmdBufferCompatible});                           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Prefix##BackwardGridCuda, grid_sample_backward_grid<kLayout>,   \
+                                ffi::Ffi::Bind()                                                \
+                                    .Ctx<Stream>()                                              \
+                                    .Arg<ffi::AnyBuffer>()                                      \
+                                    .Arg<ffi::AnyBuffer>()                                      \
+                                    .Arg<ffi::AnyBuffer>()                                      \
+                                    .Ret<ffi::AnyBuffer>()                                      \
+                                    .Attrs<GridSampleAttrs>(),                                  \
+                                {ffi::Traits::kCmdBufferCompatible})
+
+JK_GRID_SAMPLE_CUDA_HANDLERS(GridSample, GridSampleLayout::kChannelsFirst);
+JK_GRID_SAMPLE_CUDA_HANDLERS(GridSampleNhwc, GridSampleLayout::kChannelsLast);
 
 JK_REGISTER_TARGET("jk_grid_sample_fwd", GridSampleForwardCuda, "grid_sample", "forward",
                    "cuda gather, taps in registers", "bitwise");
@@ -421,6 +451,17 @@ JK_REGISTER_TARGET("jk_grid_sample_bwd_input", GridSampleBackwardInputCuda, "gri
                    "bitwise (deterministic=True); atomics otherwise for float32/float64");
 JK_REGISTER_TARGET("jk_grid_sample_bwd_grid", GridSampleBackwardGridCuda, "grid_sample",
                    "backward d_grid", "cuda gather, fixed-order channel reduction", "bitwise");
+JK_REGISTER_TARGET("jk_grid_sample_nhwc_fwd", GridSampleNhwcForwardCuda, "grid_sample", "forward",
+                   "cuda gather, taps in registers, a warp along C (NHWC)", "bitwise");
+JK_REGISTER_TARGET("jk_grid_sample_nhwc_bwd_input", GridSampleNhwcBackwardInputCuda,
+                   "grid_sample", "backward d_input",
+                   "cuda radix sort by cell + ordered gather along C (NHWC; atomics if "
+                   "deterministic=False)",
+                   "bitwise (deterministic=True); atomics otherwise for float32/float64");
+JK_REGISTER_TARGET("jk_grid_sample_nhwc_bwd_grid", GridSampleNhwcBackwardGridCuda, "grid_sample",
+                   "backward d_grid", "cuda gather along C, fixed-order channel reduction (NHWC)",
+                   "bitwise");
+
 JK_REGISTER_QUERY("grid_sample_bwd_input_scratch", backward_input_scratch_query);
 
 }  // namespace jax_kernels

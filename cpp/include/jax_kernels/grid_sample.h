@@ -5,6 +5,11 @@
 // of the tap weights along grid directions (the forward-mode and second-order passes), the problem
 // geometry, and the batch maps through which vmap folds its axes into the kernels' batch.
 //
+// Layouts: the input (and d_input) is [N, C, (D,) H, W] and the output (and dout) [N, C, (Do,) Ho,
+// Wo] channels-first (NCHW, torch's), or [N, (D,) H, W, C] and [N, (Do,) Ho, Wo, C] channels-last
+// (NHWC); the grid is the same in both. The kernels take the layout as a template parameter
+// and address one batch row through RowLayout; the math below does not depend on it.
+//
 // Conventions: axis 0 is x (input width W), axis 1 is y (H), axis 2 is z (D); the grid holds
 // (x, y[, z]) per output point. All arithmetic is in the accumulation type A (float for the
 // half types). A tap is one input cell that an output point reads; its weight multiplies the
@@ -39,6 +44,26 @@ namespace jax_kernels {
 // The codes match torch's GridSamplerInterpolation / GridSamplerPadding enums.
 enum class GridSampleMode : int64_t { kBilinear = 0, kNearest = 1, kBicubic = 2 };
 enum class GridSamplePadding : int64_t { kZeros = 0, kBorder = 1, kReflection = 2 };
+// Where the channel axis of the input, output and their gradients lies (one set of FFI targets
+// per layout: jk_grid_sample_* and jk_grid_sample_nhwc_*).
+enum class GridSampleLayout : int { kChannelsFirst, kChannelsLast };
+
+// Where element (channel c, position s) of one batch row lies in an input-shaped array
+// (positions: the input cells) or an output-shaped one (positions: the output points):
+// channels-first [C, positions], channels-last [positions, C]. The strides are compile-time
+// 1 where the layout makes them so.
+template <GridSampleLayout kLayout, class Index>
+struct RowLayout {
+  Index channels;
+  Index positions;
+  JK_HD Index channel_stride() const {
+    return kLayout == GridSampleLayout::kChannelsFirst ? positions : Index(1);
+  }
+  JK_HD Index position_stride() const {
+    return kLayout == GridSampleLayout::kChannelsFirst ? Index(1) : channels;
+  }
+  JK_HD Index at(Index c, Index s) const { return c * channel_stride() + s * position_stride(); }
+};
 
 namespace grid_sample_math {
 
@@ -465,12 +490,22 @@ JK_UNROLL
   }
 };
 
-// Fills the geometry from the cells' shape `sampled` [S, C, (D,) H, W] (the input or the
-// d_input result), the grid's shape [S_g, (Do,) Ho, Wo, dims] and the output batch M.
-inline std::string make_grid_sample_geometry(const int64_t* sampled, int sampled_rank,
-                                             const int64_t* grid, int grid_rank, int64_t batch,
-                                             GridSamplePadding padding, bool align_corners,
-                                             GridSampleGeometry* geometry) {
+// The axis of the channels in an input- or output-shaped array of `rank` dimensions, and the
+// first of its spatial axes.
+inline int channel_axis(GridSampleLayout layout, int rank) {
+  return layout == GridSampleLayout::kChannelsFirst ? 1 : rank - 1;
+}
+inline int first_spatial_axis(GridSampleLayout layout) {
+  return layout == GridSampleLayout::kChannelsFirst ? 2 : 1;
+}
+
+// Fills the geometry from the cells' shape `sampled` ([S, C, (D,) H, W] or, channels-last,
+// [S, (D,) H, W, C]: the input or the d_input result), the grid's shape
+// [S_g, (Do,) Ho, Wo, dims] and the output batch M.
+inline std::string make_grid_sample_geometry(GridSampleLayout layout, const int64_t* sampled,
+                                             int sampled_rank, const int64_t* grid, int grid_rank,
+                                             int64_t batch, GridSamplePadding padding,
+                                             bool align_corners, GridSampleGeometry* geometry) {
   GridSampleGeometry g;
   if (sampled_rank != 4 && sampled_rank != 5) return "input must be 4-D or 5-D";
   g.dims = sampled_rank - 2;
@@ -481,11 +516,12 @@ inline std::string make_grid_sample_geometry(const int64_t* sampled, int sampled
       padding != GridSamplePadding::kReflection)
     return "unknown padding mode";
   g.batch = batch;
-  g.channels = sampled[1];
+  g.channels = sampled[channel_axis(layout, sampled_rank)];
   g.cells = 1;
   g.points = 1;
+  const int last_spatial = first_spatial_axis(layout) + g.dims - 1;
   for (int d = 0; d < g.dims; ++d) {
-    g.size[d] = sampled[sampled_rank - 1 - d];
+    g.size[d] = sampled[last_spatial - d];
     if (g.size[d] <= 0) return "input has an empty spatial dimension";
     g.cells *= g.size[d];
     g.points *= grid[grid_rank - 2 - d];
@@ -502,7 +538,8 @@ inline bool batch_map_fits(const BatchMap& map, int64_t rows, int64_t batch) {
   return (rows / map.chunk) * map.repeat * map.chunk == batch;
 }
 
-// The passes, one FFI target each. Operands, in order, and result:
+// The passes, one FFI target per pass and layout. Operands, in order, and result (shown
+// channels-first; channels-last moves C of input, out, dout and d_input to the end):
 //   kForward:       input [S, C, (D,) H, W], grid [S_g, (Do,) Ho, Wo, dims]
 //                   -> out [M, C, (Do,) Ho, Wo]
 //   kBackwardInput: dout [S_d, C, (Do,) Ho, Wo], grid -> d_input [M, C, (D,) H, W]
@@ -571,10 +608,11 @@ struct DimsView {
   int64_t operator[](int i) const { return data[i]; }
 };
 
-// Validates the operands, result and attributes of a call and decodes them. Returns "" on
-// success, else what is wrong. `directions` receives the directions of a directional pass (it
-// must be given for those, and is left alone for the others).
-inline std::string make_grid_sample_call(GridSamplePass pass, const DimsView* operands,
+// Validates the operands, result and attributes of a call in `layout` and decodes them. Returns
+// "" on success, else what is wrong. `directions` receives the directions of a directional pass
+// (it must be given for those, and is left alone for the others).
+inline std::string make_grid_sample_call(GridSamplePass pass, GridSampleLayout layout,
+                                         const DimsView* operands,
                                          int operand_count, DimsView result, int64_t mode,
                                          int64_t padding, bool align_corners,
                                          const int64_t* batch_maps, int64_t batch_map_count,
@@ -610,7 +648,7 @@ inline std::string make_grid_sample_call(GridSamplePass pass, const DimsView* op
                                                                      : operands[1];
   const int64_t batch = result.rank > 0 ? result[0] : -1;
   const std::string problem =
-      make_grid_sample_geometry(sampled.data, sampled.rank, grid.data, grid.rank, batch,
+      make_grid_sample_geometry(layout, sampled.data, sampled.rank, grid.data, grid.rank, batch,
                                 GridSamplePadding(padding), align_corners, &c.geometry);
   if (!problem.empty()) return problem;
   const GridSampleGeometry& g = c.geometry;
@@ -622,13 +660,16 @@ inline std::string make_grid_sample_call(GridSamplePass pass, const DimsView* op
     return true;
   };
   const int rank = g.dims + 2;
+  const int channel = channel_axis(layout, rank), spatial = first_spatial_axis(layout);
   if (result.rank != rank) return "result rank is wrong";
-  if (base == GridSamplePass::kForward && (result[1] != g.channels || !same_points(result, 2)))
+  if (base == GridSamplePass::kForward &&
+      (result[channel] != g.channels || !same_points(result, spatial)))
     return "output shape does not match input and grid";
   if (base == GridSamplePass::kBackwardGrid &&
       (!same_points(result, 1) || result[rank - 1] != g.dims))
     return "d_grid shape does not match the grid";
-  if (dout != nullptr && (dout->rank != rank || (*dout)[1] != g.channels || !same_points(*dout, 2)))
+  if (dout != nullptr &&
+      (dout->rank != rank || (*dout)[channel] != g.channels || !same_points(*dout, spatial)))
     return "dout shape does not match input and grid";
   for (int k = base_count; k < operand_count; ++k)
     if (operands[k].rank != rank || !same_points(operands[k], 1) ||
@@ -678,9 +719,10 @@ struct GridSampleAttrs {
   bool deterministic;
 };
 
-// Decodes and validates a call of `pass` on `count` operands; every operand and the result share
-// one element type. `directions` as in make_grid_sample_call.
+// Decodes and validates a call of `pass` in `layout` on `count` operands; every operand and the
+// result share one element type. `directions` as in make_grid_sample_call.
 inline ffi::Error decode_grid_sample_call(const char* op, GridSamplePass pass,
+                                          GridSampleLayout layout,
                                           const ffi::AnyBuffer* const* operands, int count,
                                           const ffi::AnyBuffer& result,
                                           const GridSampleAttrs& attrs, GridSampleCall* call,
@@ -698,7 +740,7 @@ inline ffi::Error decode_grid_sample_call(const char* op, GridSamplePass pass,
     dims[k] = dims_of(*operands[k]);
   }
   const std::string problem =
-      make_grid_sample_call(pass, dims, count, dims_of(result), attrs.mode, attrs.padding,
+      make_grid_sample_call(pass, layout, dims, count, dims_of(result), attrs.mode, attrs.padding,
                             attrs.align_corners, attrs.batch_maps.begin(),
                             int64_t(attrs.batch_maps.size()), call, directions);
   if (!problem.empty()) return ffi::Error::InvalidArgument(std::string(op) + ": " + problem);
@@ -706,10 +748,11 @@ inline ffi::Error decode_grid_sample_call(const char* op, GridSamplePass pass,
 }
 
 inline ffi::Error decode_grid_sample_call(const char* op, GridSamplePass pass,
+                                          GridSampleLayout layout,
                                           std::initializer_list<const ffi::AnyBuffer*> operands,
                                           const ffi::AnyBuffer& result,
                                           const GridSampleAttrs& attrs, GridSampleCall* call) {
-  return decode_grid_sample_call(op, pass, operands.begin(), int(operands.size()), result, attrs,
+  return decode_grid_sample_call(op, pass, layout, operands.begin(), int(operands.size()), result, attrs,
                                  call);
 }
 
@@ -723,7 +766,8 @@ struct DirectionOperands {
 // Decodes and validates a call of directional `pass`: its base pass's operands, then the
 // directions, which the handler binds as remaining arguments.
 inline ffi::Error decode_grid_sample_directional_call(
-    const char* op, GridSamplePass pass, std::initializer_list<const ffi::AnyBuffer*> base,
+    const char* op, GridSamplePass pass, GridSampleLayout layout,
+    std::initializer_list<const ffi::AnyBuffer*> base,
     const ffi::RemainingArgs& rest, const ffi::AnyBuffer& result, const GridSampleAttrs& attrs,
     GridSampleCall* call, GridSampleDirections* directions, DirectionOperands* data) {
   const int count = int(base.size()) + int(rest.size());
@@ -744,7 +788,7 @@ inline ffi::Error decode_grid_sample_directional_call(
     buffers[i].emplace(*buffer);
     operands[k++] = &*buffers[i];
   }
-  if (auto error = decode_grid_sample_call(op, pass, operands, count, result, attrs, call,
+  if (auto error = decode_grid_sample_call(op, pass, layout, operands, count, result, attrs, call,
                                            directions);
       error.failure())
     return error;
