@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(kThreads)
     if (box.image >= 0) {
       for (int64_t j = threadIdx.x; j < bins * chunks; j += kThreads) {
         const int64_t bin = j % bins, c_begin = (j / bins) * kChannels;
-        accumulate_box_gradient<kChannels>(box, bin, dout + (k * p.C + c_begin) * bins,
+        accumulate_box_gradient<kChannels, RoiAlignNCHW>(box, bin, dout + (k * p.C + c_begin) * bins,
                                            input + (box.image * p.C + c_begin) * plane,
                                            min(int64_t(kChannels), p.C - c_begin), p, d);
       }
@@ -528,7 +528,7 @@ ffi::Error roi_align_backward_boxes(cudaStream_t stream, ffi::AnyBuffer dout, ff
                                     ffi::AnyBuffer boxes, RoiAlignAttrs attrs,
                                     ffi::Result<ffi::AnyBuffer> d_boxes) {
   RoiAlignProblem p;
-  if (auto err = roi_align_problem("roi_align backward", attrs, input, boxes, dout, &p);
+  if (auto err = roi_align_problem<RoiAlignNCHW>("roi_align backward", attrs, input, boxes, dout, &p);
       err.failure())
     return err;
   if (p.K == 0) return ffi::Error::Success();
@@ -574,7 +574,7 @@ ffi::Error roi_align_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, ff
                                     ffi::Result<ffi::AnyBuffer> scratch) {
   const char* op = "roi_align backward";
   RoiAlignProblem p;
-  if (auto err = roi_align_problem(op, attrs, *d_input, boxes, dout, &p); err.failure())
+  if (auto err = roi_align_problem<RoiAlignNCHW>(op, attrs, *d_input, boxes, dout, &p); err.failure())
     return err;
   if (d_input->size_bytes() == 0) return ffi::Error::Success();
   if (atomic_backward_input(attrs.deterministic, int64_t(ffi::ByteWidth(dout.element_type()))))

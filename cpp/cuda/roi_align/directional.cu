@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int c = 0; c < kChannels; ++c) acc[c] = A(0);
     if (box.image >= 0)
-      accumulate_bin_directional<kChannels>(box, roi_directional(u, v, k), bin,
+      accumulate_bin_directional<kChannels, RoiAlignNCHW>(box, roi_directional(u, v, k), bin,
                                             input + (box.image * p.C + c_begin) * plane,
                                             channels, p, acc);
     T* o = out + (k * p.C + c_begin) * bins + bin;
@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(kThreads)
     if (box.image >= 0) {
       for (int64_t j = threadIdx.x; j < bins * chunks; j += kThreads) {
         const int64_t bin = j % bins, c_begin = (j / bins) * kChannels;
-        accumulate_box_hessian<kChannels>(box, direction, bin, dout + (k * p.C + c_begin) * bins,
+        accumulate_box_hessian<kChannels, RoiAlignNCHW>(box, direction, bin, dout + (k * p.C + c_begin) * bins,
                                           input + (box.image * p.C + c_begin) * plane,
                                           min(int64_t(kChannels), p.C - c_begin), p, d);
       }
@@ -203,7 +203,7 @@ ffi::Error roi_align_forward_directional(cudaStream_t stream, ffi::AnyBuffer inp
                                          ffi::Result<ffi::AnyBuffer> out) {
   const char* op = "roi_align forward directional";
   RoiAlignProblem p;
-  if (auto err = roi_align_problem(op, attrs, input, boxes, *out, &p); err.failure()) return err;
+  if (auto err = roi_align_problem<RoiAlignNCHW>(op, attrs, input, boxes, *out, &p); err.failure()) return err;
   const void* v = nullptr;
   if (auto err = roi_align_directions(op, boxes, u, rest, &v); err.failure()) return err;
   const int64_t items = p.K * channel_chunks(p) * p.bins();
@@ -224,7 +224,7 @@ ffi::Error roi_align_backward_input_directional(cudaStream_t stream, ffi::AnyBuf
                                                 ffi::Result<ffi::AnyBuffer> d_input) {
   const char* op = "roi_align backward d_input directional";
   RoiAlignProblem p;
-  if (auto err = roi_align_problem(op, attrs, *d_input, boxes, dout, &p); err.failure())
+  if (auto err = roi_align_problem<RoiAlignNCHW>(op, attrs, *d_input, boxes, dout, &p); err.failure())
     return err;
   const void* v = nullptr;
   if (auto err = roi_align_directions(op, boxes, u, rest, &v); err.failure()) return err;
@@ -250,7 +250,7 @@ ffi::Error roi_align_backward_boxes_directional(cudaStream_t stream, ffi::AnyBuf
                                                 ffi::Result<ffi::AnyBuffer> d_boxes) {
   const char* op = "roi_align backward d_boxes directional";
   RoiAlignProblem p;
-  if (auto err = roi_align_problem(op, attrs, input, boxes, dout, &p); err.failure()) return err;
+  if (auto err = roi_align_problem<RoiAlignNCHW>(op, attrs, input, boxes, dout, &p); err.failure()) return err;
   if (auto err = roi_align_hessian_operands(op, boxes, u, *d_boxes); err.failure()) return err;
   if (p.K == 0) return ffi::Error::Success();
   return dispatch_float(input.element_type(), op, [&](auto tag) {

@@ -209,7 +209,7 @@ ffi::Error roi_align_forward(cudaStream_t stream, ffi::AnyBuffer input, ffi::Any
                              ffi::Result<ffi::AnyBuffer> scratch) {
   const char* op = "roi_align";
   RoiAlignProblem p;
-  if (auto err = roi_align_problem(op, attrs, input, boxes, *out, &p); err.failure()) return err;
+  if (auto err = roi_align_problem<RoiAlignNCHW>(op, attrs, input, boxes, *out, &p); err.failure()) return err;
   if (p.K * p.C * p.bins() == 0) return ffi::Error::Success();
   ForwardLayout layout;
   if (!forward_layout(p.N, p.C, p.H, p.W, p.K, int64_t(ffi::ByteWidth(input.element_type())),
