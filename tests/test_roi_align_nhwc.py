@@ -275,13 +275,14 @@ def test_data_format_errors():
 def test_capabilities_list_the_nhwc_passes():
     rows = [r for r in jk.capabilities() if r.op == "roi_align"]
     passes = {r.pass_ for r in rows}
-    assert {"forward NHWC", "backward d_input NHWC", "backward d_boxes NHWC",
-            "forward directional NHWC", "backward d_input directional NHWC",
-            "backward d_boxes directional NHWC"} <= passes
-    assert {r.target for r in rows if r.pass_ == "forward NHWC"} == {"jk_roi_align_nhwc_fwd_v1"}
+    assert {"forward (NHWC)", "backward d_input (NHWC)", "backward d_boxes (NHWC)",
+            "forward directional (NHWC)", "backward d_input directional (NHWC)",
+            "backward d_boxes directional (NHWC)"} <= passes
+    targets = {r.target for r in rows if r.pass_ == "forward (NHWC)"}
+    assert targets == {"jk_roi_align_nhwc_fwd_v1"}
 
 
-# --- sharding (as test_sharding.py's roi_align cases, channels last) -------------------------------
+# --- sharding (as test_sharding.py's roi_align cases, channels last) ------------------------------
 
 
 def _devices() -> list:

@@ -197,11 +197,11 @@ JK_REGISTER_TARGET("jk_roi_align_bwd_input", RoiAlignBackwardInputCpu, "roi_alig
                    "backward d_input", "cpu row-list gather (boxes in order)", "bitwise");
 JK_REGISTER_TARGET("jk_roi_align_bwd_boxes", RoiAlignBackwardBoxesCpu, "roi_align",
                    "backward d_boxes", "cpu per-box reduction (float64)", "bitwise");
-JK_REGISTER_TARGET("jk_roi_align_nhwc_fwd", RoiAlignForwardNhwcCpu, "roi_align", "forward NHWC",
+JK_REGISTER_TARGET("jk_roi_align_nhwc_fwd", RoiAlignForwardNhwcCpu, "roi_align", "forward (NHWC)",
                    "cpu per-bin samples reused over channels", "bitwise");
 JK_REGISTER_TARGET("jk_roi_align_nhwc_bwd_input", RoiAlignBackwardInputNhwcCpu, "roi_align",
-                   "backward d_input NHWC", "cpu row-list gather (boxes in order)", "bitwise");
+                   "backward d_input (NHWC)", "cpu row-list gather (boxes in order)", "bitwise");
 JK_REGISTER_TARGET("jk_roi_align_nhwc_bwd_boxes", RoiAlignBackwardBoxesNhwcCpu, "roi_align",
-                   "backward d_boxes NHWC", "cpu per-box reduction (float64)", "bitwise");
+                   "backward d_boxes (NHWC)", "cpu per-box reduction (float64)", "bitwise");
 
 }  // namespace jax_kernels

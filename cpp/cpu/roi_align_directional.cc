@@ -243,15 +243,15 @@ JK_REGISTER_TARGET("jk_roi_align_bwd_boxes_directional", RoiAlignBackwardBoxesDi
                    "roi_align", "backward d_boxes directional", "cpu per-box reduction (float64)",
                    "bitwise");
 JK_REGISTER_TARGET("jk_roi_align_nhwc_fwd_directional", RoiAlignForwardDirectionalNhwcCpu,
-                   "roi_align", "forward directional NHWC",
+                   "roi_align", "forward directional (NHWC)",
                    "cpu per-bin samples reused over channels", "bitwise");
 JK_REGISTER_TARGET("jk_roi_align_nhwc_bwd_input_directional",
                    RoiAlignBackwardInputDirectionalNhwcCpu, "roi_align",
-                   "backward d_input directional NHWC", "cpu row-list gather (boxes in order)",
+                   "backward d_input directional (NHWC)", "cpu row-list gather (boxes in order)",
                    "bitwise");
 JK_REGISTER_TARGET("jk_roi_align_nhwc_bwd_boxes_directional",
                    RoiAlignBackwardBoxesDirectionalNhwcCpu, "roi_align",
-                   "backward d_boxes directional NHWC", "cpu per-box reduction (float64)",
+                   "backward d_boxes directional (NHWC)", "cpu per-box reduction (float64)",
                    "bitwise");
 
 }  // namespace jax_kernels
