@@ -12,6 +12,12 @@ indices are never rewritten and no loop appears. On CUDA the forward stages the 
 order, and the deterministic input gradient sorts per-box row entries, in scratch memory that XLA
 provides: its size comes from a host query at trace time, it is requested as an extra result, and
 the wrapper drops it.
+
+``data_format="NHWC"`` calls the ``jk_roi_align_nhwc_*`` targets, the same kernels instantiated
+for channels-last tensors (input ``[N, H, W, C]``, output ``[K, PH, PW, C]``): they read and
+write that layout in place, so no transpose appears in the program (and the CUDA forward and
+input gradient skip their staging). Every rule below is the same for both layouts; only the
+shapes and the sharding factors' order differ.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class _Attrs(NamedTuple):
     sampling_ratio: int
     aligned: bool
     deterministic: bool
+    channels_last: bool = False  # data_format="NHWC": not an FFI attribute, it picks the targets
 
 
 class _Batching(NamedTuple):
@@ -64,12 +71,13 @@ class _Batching(NamedTuple):
 
 
 def roi_align(input: Any, boxes: Any, output_size: int | Sequence[int], spatial_scale: float = 1.0,
-              sampling_ratio: int = -1, aligned: bool = False, *,
-              deterministic: bool = True) -> jax.Array:
+              sampling_ratio: int = -1, aligned: bool = False, *, deterministic: bool = True,
+              data_format: str = "NCHW") -> jax.Array:
     """RoIAlign, as ``torchvision.ops.roi_align``, differentiable w.r.t. ``input`` and ``boxes``.
 
     Args:
-      input: ``[N, C, H, W]`` float16, bfloat16, float32 or float64.
+      input: ``[N, C, H, W]`` (``[N, H, W, C]`` with ``data_format="NHWC"``) float16, bfloat16,
+        float32 or float64.
       boxes: ``[K, 5]`` rows ``(batch_index, x1, y1, x2, y2)``, or a list of ``[L_i, 4]`` arrays
         ``(x1, y1, x2, y2)``, one per image; same dtype as ``input``.
       output_size: ``h`` or ``(h, w)``: bins per box.
@@ -79,23 +87,39 @@ def roi_align(input: Any, boxes: Any, output_size: int | Sequence[int], spatial_
       aligned: shift the box by -0.5 pixel; when False, box sizes are raised to at least 1.
       deterministic: make the CUDA input gradient bitwise reproducible (the default); False
         allows atomics for float32 and float64. The CPU is always deterministic.
+      data_format: ``"NCHW"`` (the default) or ``"NHWC"`` (channels last: input ``[N, H, W, C]``,
+        output ``[K, h, w, C]``, read and written in that layout by the kernels).
 
-    Returns ``[K, C, h, w]``: the mean over each bin's sample grid of the bilinear samples; samples
-    outside ``[-1, H] x [-1, W]`` count as 0. The batch index is truncated toward zero, as
-    torchvision does (0.7 reads image 0); a box whose truncated index is not in ``[0, N)``, or
-    whose index is NaN or infinite, gives zeros and no gradient. The box gradient is the exact derivative with the
-    adaptive grid held fixed (zero where the size is clamped to 1); the batch-index column gets 0.
+    Returns ``[K, C, h, w]`` (``[K, h, w, C]`` for NHWC): the mean over each bin's sample grid
+    of the bilinear samples; samples outside ``[-1, H] x [-1, W]`` count as 0. The batch index
+    is truncated toward zero, as torchvision does (0.7 reads image 0); a box whose truncated
+    index is not in ``[0, N)``, or whose index is NaN or infinite, gives zeros and no gradient.
+    The box gradient is the exact derivative with the adaptive grid held fixed (zero where the
+    size is clamped to 1); the batch-index column gets 0.
     """
+    channels_last = _channels_last(data_format)
     input = as_array("roi_align", "input", input)
     if input.ndim != 4:
-        raise ValueError("roi_align(): expected input of shape (N, C, H, W), got "
-                         f"{tuple(input.shape)}")
+        raise ValueError(f"roi_align(): expected input of shape {_IMAGE_SHAPE[channels_last]}, "
+                         f"got {tuple(input.shape)}")
     boxes = _rois(input, boxes)
     check_float_dtypes("roi_align", input=input, boxes=boxes)
     attrs = _Attrs(*_output_size(output_size), _spatial_scale(spatial_scale),
                    _sampling_ratio(sampling_ratio), check_bool("roi_align", "aligned", aligned),
-                   check_bool("roi_align", "deterministic", deterministic))
+                   check_bool("roi_align", "deterministic", deterministic), channels_last)
     return _roi_align_jit(input, boxes, attrs)
+
+
+_IMAGE_SHAPE = {False: "(N, C, H, W)", True: "(N, H, W, C)"}
+
+
+def _channels_last(data_format: Any) -> bool:
+    if not isinstance(data_format, str):
+        raise TypeError("roi_align(): data_format must be a string, 'NCHW' or 'NHWC', got "
+                        f"{type(data_format).__name__}")
+    if data_format not in ("NCHW", "NHWC"):
+        raise ValueError(f"roi_align(): data_format must be 'NCHW' or 'NHWC', got {data_format!r}")
+    return data_format == "NHWC"
 
 
 def _rois(input: jax.Array, boxes: Any) -> jax.Array:
@@ -162,9 +186,25 @@ def _sampling_ratio(sampling_ratio: Any) -> int:
     return ratio
 
 
+def _target(name: str, attrs: _Attrs) -> str:
+    """The target of pass ``name`` (``jk_roi_align_fwd``, ...) in the call's layout: NHWC's are
+    ``jk_roi_align_nhwc_*``; the host queries likewise (``roi_align_nhwc_*``)."""
+    if not attrs.channels_last:
+        return name
+    return name.replace("roi_align_", "roi_align_nhwc_", 1)
+
+
+def _image_extents(shape: Sequence[int], attrs: _Attrs) -> tuple[int, int, int, int]:
+    """(N, C, H, W) of an input (or input gradient) shape in the call's layout."""
+    if attrs.channels_last:
+        n, h, w, c = shape
+        return n, c, h, w
+    return tuple(shape)
+
+
 def _ffi_attributes(attrs: _Attrs, batching: _Batching) -> dict[str, Any]:
-    """RoiAlignAttrs in roi_align.h: every target takes all of them. An unbatched call passes one
-    neutral term: the kernels always read an array."""
+    """RoiAlignAttrs in roi_align.h: every target takes all of them (both layouts). An unbatched
+    call passes one neutral term: the kernels always read an array."""
     terms = batching.terms or ((1, 1, 0),)
     return dict(
         pooled_height=np.int64(attrs.pooled_height),
@@ -225,29 +265,31 @@ def _too_high() -> NotImplementedError:
 
 
 def _gather_shape(input, boxes, *directions, attrs, batching):
-    return (boxes.shape[0], input.shape[1], attrs.pooled_height, attrs.pooled_width), input.dtype
+    k, c = boxes.shape[0], _image_extents(input.shape, attrs)[1]
+    ph, pw = attrs.pooled_height, attrs.pooled_width
+    return ((k, ph, pw, c) if attrs.channels_last else (k, c, ph, pw)), input.dtype
 
 
 def _gather_emit(input, boxes, *directions, attrs, batching):
     result = jax.ShapeDtypeStruct(*_gather_shape(input, boxes, attrs=attrs, batching=batching))
     attributes = _ffi_attributes(attrs, batching)
     if directions:
-        return _ffi.call("jk_roi_align_fwd_directional", result, input, boxes, *directions,
-                         **attributes)
+        return _ffi.call(_target("jk_roi_align_fwd_directional", attrs), result, input, boxes,
+                         *directions, **attributes)
 
     def scratch_bytes():
-        # The CUDA forward stages the input in NHWC order and sorts the boxes by position in
-        # scratch memory.
-        n, c, h, w = input.shape
-        nbytes = _ffi.query("roi_align_forward_scratch", N=n, C=c, H=h, W=w, boxes=boxes.shape[0],
-                            element_bytes=np.dtype(input.dtype).itemsize)
+        # The CUDA forward sorts the boxes by position in scratch memory (and, for NCHW, stages
+        # the input in NHWC order there).
+        n, c, h, w = _image_extents(input.shape, attrs)
+        nbytes = _ffi.query(_target("roi_align_forward_scratch", attrs), N=n, C=c, H=h, W=w,
+                            boxes=boxes.shape[0], element_bytes=np.dtype(input.dtype).itemsize)
         if nbytes < 0:
-            raise ValueError(f"roi_align(): {boxes.shape[0]} boxes on {input.shape[0]} images of "
-                             f"{input.shape[2]} rows exceed the 32-bit box sort of the CUDA "
-                             "forward: use fewer boxes per call")
+            raise ValueError(f"roi_align(): {boxes.shape[0]} boxes on {n} images of {h} rows "
+                             "exceed the 32-bit box sort of the CUDA forward: use fewer boxes per "
+                             "call")
         return nbytes
 
-    return _ffi.call_with_cuda_scratch("jk_roi_align_fwd", result, input, boxes,
+    return _ffi.call_with_cuda_scratch(_target("jk_roi_align_fwd", attrs), result, input, boxes,
                                        scratch_bytes=scratch_bytes, **attributes)
 
 
@@ -290,14 +332,14 @@ def _scatter_emit(dout, boxes, *directions, attrs, batching, shape):
     result = jax.ShapeDtypeStruct(shape, dout.dtype)
     attributes = _ffi_attributes(attrs, batching)
     if directions:
-        return _ffi.call("jk_roi_align_bwd_input_directional", result, dout, boxes, *directions,
-                         **attributes)
+        return _ffi.call(_target("jk_roi_align_bwd_input_directional", attrs), result, dout,
+                         boxes, *directions, **attributes)
 
     def scratch_bytes():
         # deterministic=False takes float atomics for float32/float64 (no scratch); the half
         # types have no fast atomics and always take the sorted, ordered gather.
-        n, c, h, w = shape
-        nbytes = _ffi.query("roi_align_backward_input_scratch", N=n, C=c, H=h, W=w,
+        n, c, h, w = _image_extents(shape, attrs)
+        nbytes = _ffi.query(_target("roi_align_backward_input_scratch", attrs), N=n, C=c, H=h, W=w,
                             boxes=boxes.shape[0], pooled_height=attrs.pooled_height,
                             pooled_width=attrs.pooled_width,
                             sampling_ratio=attrs.sampling_ratio,
@@ -311,8 +353,8 @@ def _scatter_emit(dout, boxes, *directions, attrs, batching, shape):
                 "boxes per call")
         return nbytes
 
-    return _ffi.call_with_cuda_scratch("jk_roi_align_bwd_input", result, dout, boxes,
-                                       scratch_bytes=scratch_bytes, **attributes)
+    return _ffi.call_with_cuda_scratch(_target("jk_roi_align_bwd_input", attrs), result, dout,
+                                       boxes, scratch_bytes=scratch_bytes, **attributes)
 
 
 def _scatter_jvp(primals, tangents, *, attrs, batching, shape):
@@ -352,8 +394,8 @@ def _reduce_shape(dout, input, boxes, *directions, attrs, batching):
 
 def _reduce_emit(dout, input, boxes, *directions, attrs, batching):
     target = "jk_roi_align_bwd_boxes_directional" if directions else "jk_roi_align_bwd_boxes"
-    return _ffi.call(target, jax.ShapeDtypeStruct(boxes.shape, boxes.dtype), dout, input, boxes,
-                     *directions, **_ffi_attributes(attrs, batching))
+    return _ffi.call(_target(target, attrs), jax.ShapeDtypeStruct(boxes.shape, boxes.dtype),
+                     dout, input, boxes, *directions, **_ffi_attributes(attrs, batching))
 
 
 def _reduce_jvp(primals, tangents, *, attrs, batching):
@@ -433,8 +475,16 @@ def _reduce_batched(axis_size, operands, in_batched, *, attrs, batching):
 # after truncation, so that every box belongs to exactly one shard) and the partial results are
 # added: the output (and the box gradient) with one reduction of its size, while the input
 # gradient comes back sharded like the input. Under vmap (batching terms that depend on the
-# global box and image numbers) only the channels stay sharded.
-_IMAGE, _BOXES = ("n", "c", "h", "w"), ("k", "f")
+# global box and image numbers) only the channels stay sharded. NHWC permutes the letters.
+_BOXES = ("k", "f")
+
+
+def _image(attrs: _Attrs) -> tuple[str, ...]:
+    return ("n", "h", "w", "c") if attrs.channels_last else ("n", "c", "h", "w")
+
+
+def _binned(attrs: _Attrs) -> tuple[str, ...]:
+    return ("k", "ph", "pw", "c") if attrs.channels_last else ("k", "c", "ph", "pw")
 
 
 def _roi_sharding(operands, result, batching, boxes_at, input_at):
@@ -463,17 +513,17 @@ def _local_shard(operands, params, shape, offsets, *, boxes_at, input_at):
 
 
 def _gather_sharding(input, boxes, *dirs, attrs, batching):
-    return _roi_sharding((_IMAGE, _BOXES) + (_BOXES,) * len(dirs), ("k", "c", "ph", "pw"),
+    return _roi_sharding((_image(attrs), _BOXES) + (_BOXES,) * len(dirs), _binned(attrs),
                          batching, boxes_at=1, input_at=0)
 
 
 def _scatter_sharding(dout, boxes, *dirs, attrs, batching, shape):
-    return _roi_sharding((("k", "c", "ph", "pw"), _BOXES) + (_BOXES,) * len(dirs), _IMAGE,
+    return _roi_sharding((_binned(attrs), _BOXES) + (_BOXES,) * len(dirs), _image(attrs),
                          batching, boxes_at=1, input_at=None)
 
 
 def _reduce_sharding(dout, input, boxes, *dirs, attrs, batching):
-    return _roi_sharding((("k", "c", "ph", "pw"), _IMAGE, _BOXES) + (_BOXES,) * len(dirs),
+    return _roi_sharding((_binned(attrs), _image(attrs), _BOXES) + (_BOXES,) * len(dirs),
                          _BOXES, batching, boxes_at=2, input_at=1)
 
 

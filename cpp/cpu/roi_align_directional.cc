@@ -7,7 +7,8 @@
 // The forward and the box pass sum each bin's samples in the order of the plain passes. The input
 // pass is the plain pass's row-list gather with a pair of weights per entry: every input cell
 // adds its terms with boxes in index order, then row bins, then column bins, as on CUDA. Every
-// pass is deterministic whatever the thread count.
+// pass is deterministic whatever the thread count. As in roi_align.cc, each handler is a template
+// on the layout, registered for NCHW and for NHWC (jk_roi_align_nhwc_*_directional).
 #include <algorithm>
 #include <cstdint>
 #include <utility>
@@ -27,24 +28,28 @@ using roi_align_cpu::BoxWeights;
 using roi_align_cpu::channel_chunks;
 using roi_align_cpu::kChannels;
 
-template <class T>
+template <class Layout, class T>
 void forward_directional_typed(const RoiAlignProblem& p, const T* input, const T* boxes,
                                const T* u, const T* v, T* out) {
   using A = acc_t<T>;
   const int64_t chunks = channel_chunks(p), bins = p.bins(), plane = p.H * p.W;
+  const int64_t binned = Layout::binned_channel_stride(p), bin_stride = Layout::bin_stride(p);
   parallel_for(p.K * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t k = task / chunks, c_begin = (task % chunks) * kChannels;
       const int64_t channels = std::min<int64_t>(kChannels, p.C - c_begin);
       const RoiBox<A> box = roi_box(boxes, k, p);
       const RoiDirectional<A> d = roi_directional(u, v, k);
-      const T* planes = box.image >= 0 ? input + (box.image * p.C + c_begin) * plane : input;
-      T* o = out + (k * p.C + c_begin) * bins;
+      const T* planes = box.image >= 0
+                            ? input + box.image * p.C * plane + c_begin * Layout::channel_stride(p)
+                            : input;
+      T* o = out + k * p.C * bins + c_begin * binned;
       for (int64_t bin = 0; bin < bins; ++bin) {
         A acc[kChannels] = {};
         if (box.image >= 0)
-          accumulate_bin_directional<kChannels>(box, d, bin, planes, channels, p, acc);
-        for (int64_t c = 0; c < channels; ++c) o[c * bins + bin] = from_acc<T>(acc[c] / box.count);
+          accumulate_bin_directional<kChannels, Layout>(box, d, bin, planes, channels, p, acc);
+        for (int64_t c = 0; c < channels; ++c)
+          o[c * binned + bin * bin_stride] = from_acc<T>(acc[c] / box.count);
       }
     }
   });
@@ -85,7 +90,7 @@ BoxWeights<DirectionalPair<acc_t<T>>> directional_box_weights(const T* boxes, co
 
 // The input gradient: the plain pass's row-list gather (roi_align_gather.h) with a pair of
 // weights per entry.
-template <class T>
+template <class Layout, class T>
 void backward_input_directional_typed(const RoiAlignProblem& p, const T* dout, const T* boxes,
                                       const T* u, const T* v, T* d_input) {
   using A = acc_t<T>;
@@ -93,14 +98,14 @@ void backward_input_directional_typed(const RoiAlignProblem& p, const T* dout, c
   parallel_for(p.K, 16, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) weights[k] = directional_box_weights(boxes, u, v, k, p);
   });
-  roi_align_cpu::gather_input_gradient(
+  roi_align_cpu::gather_input_gradient<Layout>(
       p, dout, weights, d_input,
       [](const DirectionalPair<A>& row, const DirectionalPair<A>& column) {
         return directional_weight(row, column);
       });
 }
 
-template <class T>
+template <class Layout, class T>
 void backward_boxes_directional_typed(const RoiAlignProblem& p, const T* dout, const T* input,
                                       const T* boxes, const T* u, T* d_boxes) {
   using A = acc_t<T>;
@@ -113,10 +118,11 @@ void backward_boxes_directional_typed(const RoiAlignProblem& p, const T* dout, c
       if (box.image >= 0) {
         for (int64_t item = 0; item < bins * chunks; ++item) {
           const int64_t bin = item % bins, c_begin = (item / bins) * kChannels;
-          accumulate_box_hessian<kChannels>(box, direction, bin,
-                                            dout + (k * p.C + c_begin) * bins,
-                                            input + (box.image * p.C + c_begin) * plane,
-                                            std::min<int64_t>(kChannels, p.C - c_begin), p, d);
+          accumulate_box_hessian<kChannels, Layout>(
+              box, direction, bin,
+              dout + k * p.C * bins + c_begin * Layout::binned_channel_stride(p),
+              input + box.image * p.C * plane + c_begin * Layout::channel_stride(p),
+              std::min<int64_t>(kChannels, p.C - c_begin), p, d);
         }
       }
       T* result = d_boxes + 5 * k;
@@ -126,95 +132,107 @@ void backward_boxes_directional_typed(const RoiAlignProblem& p, const T* dout, c
   });
 }
 
+template <class Layout>
 ffi::Error roi_align_forward_directional(ffi::AnyBuffer input, ffi::AnyBuffer boxes,
                                          ffi::AnyBuffer u, ffi::RemainingArgs rest,
                                          RoiAlignAttrs attrs, ffi::Result<ffi::AnyBuffer> out) {
   const char* op = "roi_align forward directional";
   RoiAlignProblem p;
-  if (auto err = roi_align_problem(op, attrs, input, boxes, *out, &p); err.failure()) return err;
+  if (auto err = roi_align_problem<Layout>(op, attrs, input, boxes, *out, &p); err.failure())
+    return err;
   const void* v = nullptr;
   if (auto err = roi_align_directions(op, boxes, u, rest, &v); err.failure()) return err;
   if (p.K * p.C == 0) return ffi::Error::Success();
   return dispatch_float(input.element_type(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    forward_directional_typed(p, static_cast<const T*>(input.untyped_data()),
-                              static_cast<const T*>(boxes.untyped_data()),
-                              static_cast<const T*>(u.untyped_data()), static_cast<const T*>(v),
-                              static_cast<T*>(out->untyped_data()));
+    forward_directional_typed<Layout>(p, static_cast<const T*>(input.untyped_data()),
+                                      static_cast<const T*>(boxes.untyped_data()),
+                                      static_cast<const T*>(u.untyped_data()),
+                                      static_cast<const T*>(v),
+                                      static_cast<T*>(out->untyped_data()));
     return ffi::Error::Success();
   });
 }
 
+template <class Layout>
 ffi::Error roi_align_backward_input_directional(ffi::AnyBuffer dout, ffi::AnyBuffer boxes,
                                                 ffi::AnyBuffer u, ffi::RemainingArgs rest,
                                                 RoiAlignAttrs attrs,
                                                 ffi::Result<ffi::AnyBuffer> d_input) {
   const char* op = "roi_align backward d_input directional";
   RoiAlignProblem p;
-  if (auto err = roi_align_problem(op, attrs, *d_input, boxes, dout, &p); err.failure())
+  if (auto err = roi_align_problem<Layout>(op, attrs, *d_input, boxes, dout, &p); err.failure())
     return err;
   const void* v = nullptr;
   if (auto err = roi_align_directions(op, boxes, u, rest, &v); err.failure()) return err;
   if (p.N * p.C * p.H * p.W == 0) return ffi::Error::Success();
   return dispatch_float(dout.element_type(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    backward_input_directional_typed(p, static_cast<const T*>(dout.untyped_data()),
-                                     static_cast<const T*>(boxes.untyped_data()),
-                                     static_cast<const T*>(u.untyped_data()),
-                                     static_cast<const T*>(v),
-                                     static_cast<T*>(d_input->untyped_data()));
+    backward_input_directional_typed<Layout>(p, static_cast<const T*>(dout.untyped_data()),
+                                             static_cast<const T*>(boxes.untyped_data()),
+                                             static_cast<const T*>(u.untyped_data()),
+                                             static_cast<const T*>(v),
+                                             static_cast<T*>(d_input->untyped_data()));
     return ffi::Error::Success();
   });
 }
 
+template <class Layout>
 ffi::Error roi_align_backward_boxes_directional(ffi::AnyBuffer dout, ffi::AnyBuffer input,
                                                 ffi::AnyBuffer boxes, ffi::AnyBuffer u,
                                                 RoiAlignAttrs attrs,
                                                 ffi::Result<ffi::AnyBuffer> d_boxes) {
   const char* op = "roi_align backward d_boxes directional";
   RoiAlignProblem p;
-  if (auto err = roi_align_problem(op, attrs, input, boxes, dout, &p); err.failure()) return err;
+  if (auto err = roi_align_problem<Layout>(op, attrs, input, boxes, dout, &p); err.failure())
+    return err;
   if (auto err = roi_align_hessian_operands(op, boxes, u, *d_boxes); err.failure()) return err;
   if (p.K == 0) return ffi::Error::Success();
   return dispatch_float(input.element_type(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    backward_boxes_directional_typed(p, static_cast<const T*>(dout.untyped_data()),
-                                     static_cast<const T*>(input.untyped_data()),
-                                     static_cast<const T*>(boxes.untyped_data()),
-                                     static_cast<const T*>(u.untyped_data()),
-                                     static_cast<T*>(d_boxes->untyped_data()));
+    backward_boxes_directional_typed<Layout>(p, static_cast<const T*>(dout.untyped_data()),
+                                             static_cast<const T*>(input.untyped_data()),
+                                             static_cast<const T*>(boxes.untyped_data()),
+                                             static_cast<const T*>(u.untyped_data()),
+                                             static_cast<T*>(d_boxes->untyped_data()));
     return ffi::Error::Success();
   });
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignForwardDirectionalCpu, roi_align_forward_directional,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .Attrs<RoiAlignAttrs>()
-                                  .Ret<ffi::AnyBuffer>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignBackwardInputDirectionalCpu,
-                              roi_align_backward_input_directional,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .Attrs<RoiAlignAttrs>()
-                                  .Ret<ffi::AnyBuffer>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignBackwardBoxesDirectionalCpu,
-                              roi_align_backward_boxes_directional,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Attrs<RoiAlignAttrs>()
-                                  .Ret<ffi::AnyBuffer>());
+// The handler symbols of one layout (Suffix: Cpu for NCHW, NhwcCpu for NHWC).
+#define JK_ROI_ALIGN_DIRECTIONAL_CPU_HANDLERS(Suffix, Layout)                                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignForwardDirectional##Suffix,                            \
+                                roi_align_forward_directional<Layout>,                         \
+                                ffi::Ffi::Bind()                                               \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .RemainingArgs()                                           \
+                                    .Attrs<RoiAlignAttrs>()                                    \
+                                    .Ret<ffi::AnyBuffer>());                                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignBackwardInputDirectional##Suffix,                      \
+                                roi_align_backward_input_directional<Layout>,                  \
+                                ffi::Ffi::Bind()                                               \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .RemainingArgs()                                           \
+                                    .Attrs<RoiAlignAttrs>()                                    \
+                                    .Ret<ffi::AnyBuffer>());                                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignBackwardBoxesDirectional##Suffix,                      \
+                                roi_align_backward_boxes_directional<Layout>,                  \
+                                ffi::Ffi::Bind()                                               \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Attrs<RoiAlignAttrs>()                                    \
+                                    .Ret<ffi::AnyBuffer>())
+
+JK_ROI_ALIGN_DIRECTIONAL_CPU_HANDLERS(Cpu, RoiAlignNCHW);
+JK_ROI_ALIGN_DIRECTIONAL_CPU_HANDLERS(NhwcCpu, RoiAlignNHWC);
 
 JK_REGISTER_TARGET("jk_roi_align_fwd_directional", RoiAlignForwardDirectionalCpu, "roi_align",
                    "forward directional", "cpu per-bin samples reused over channels", "bitwise");
@@ -223,6 +241,17 @@ JK_REGISTER_TARGET("jk_roi_align_bwd_input_directional", RoiAlignBackwardInputDi
                    "cpu row-list gather (boxes in order)", "bitwise");
 JK_REGISTER_TARGET("jk_roi_align_bwd_boxes_directional", RoiAlignBackwardBoxesDirectionalCpu,
                    "roi_align", "backward d_boxes directional", "cpu per-box reduction (float64)",
+                   "bitwise");
+JK_REGISTER_TARGET("jk_roi_align_nhwc_fwd_directional", RoiAlignForwardDirectionalNhwcCpu,
+                   "roi_align", "forward directional (NHWC)",
+                   "cpu per-bin samples reused over channels", "bitwise");
+JK_REGISTER_TARGET("jk_roi_align_nhwc_bwd_input_directional",
+                   RoiAlignBackwardInputDirectionalNhwcCpu, "roi_align",
+                   "backward d_input directional (NHWC)", "cpu row-list gather (boxes in order)",
+                   "bitwise");
+JK_REGISTER_TARGET("jk_roi_align_nhwc_bwd_boxes_directional",
+                   RoiAlignBackwardBoxesDirectionalNhwcCpu, "roi_align",
+                   "backward d_boxes directional (NHWC)", "cpu per-box reduction (float64)",
                    "bitwise");
 
 }  // namespace jax_kernels

@@ -45,8 +45,9 @@ struct BoxWeights {
 // d_input from the boxes' weights: per input row and channel chunk, the row's entries (boxes in
 // index order, then bin rows), per entry the columns of its box, per column its column bins;
 // cell weight = combine(row entry's weight, column's weight). Every input cell receives its terms
-// in the order of the CUDA gather, whatever the thread count.
-template <class T, class W, class Combine>
+// in the order of the CUDA gather, whatever the thread count and the layout (roi_align.h's
+// RoiAlignNCHW or RoiAlignNHWC: dout is read and d_input written in place).
+template <class Layout, class T, class W, class Combine>
 void gather_input_gradient(const RoiAlignProblem& p, const T* dout,
                            const std::vector<BoxWeights<W>>& weights, T* d_input,
                            Combine&& combine) {
@@ -64,6 +65,8 @@ void gather_input_gradient(const RoiAlignProblem& p, const T* dout,
       entries[next[weights[k].image * p.H + weights[k].rows[i].row]++] = {k, i};
 
   const int64_t chunks = channel_chunks(p), bins = p.bins(), plane = p.H * p.W;
+  const int64_t binned = Layout::binned_channel_stride(p), bin_stride = Layout::bin_stride(p);
+  const int64_t channel_stride = Layout::channel_stride(p), cell_stride = Layout::cell_stride(p);
   parallel_for(rows * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<A> acc(p.W * kChannels);
     for (int64_t task = begin; task < end; ++task) {
@@ -75,21 +78,21 @@ void gather_input_gradient(const RoiAlignProblem& p, const T* dout,
         const auto [k, i] = entries[e];
         const BoxWeights<W>& box = weights[k];
         const auto& entry = box.rows[i];
-        const T* g = dout + (k * p.C + c_begin) * bins + entry.bin_row;
+        const T* g = dout + k * p.C * bins + c_begin * binned + entry.bin_row * bin_stride;
         for (int64_t j = 0; j < box.column_count(); ++j) {
           A* cell = acc.data() + (box.column_first + j) * kChannels;
           for (int64_t q = box.column_begin[j]; q < box.column_begin[j + 1]; ++q) {
             const auto& column = box.columns[q];
             const A weight = combine(entry.weight, column.weight);
             for (int64_t c = 0; c < channels; ++c)
-              cell[c] += input_gradient_term(g[c * bins + column.bin], weight);
+              cell[c] += input_gradient_term(g[c * binned + column.bin * bin_stride], weight);
           }
         }
       }
-      T* out = d_input + (n * p.C + c_begin) * plane + h * p.W;
+      T* out = d_input + n * p.C * plane + c_begin * channel_stride + h * p.W * cell_stride;
       for (int64_t w = 0; w < p.W; ++w)
         for (int64_t c = 0; c < channels; ++c)
-          out[c * plane + w] = from_acc<T>(acc[w * kChannels + c]);
+          out[c * channel_stride + w * cell_stride] = from_acc<T>(acc[w * kChannels + c]);
     }
   });
 }

@@ -19,6 +19,12 @@
 //
 // Input gradient, deterministic=False (float32/float64 only): per (box, bin, 16 channels), the
 // samples' weight * dout added with atomicAdd.
+//
+// Channels last (jk_roi_align_nhwc_bwd_*: every kernel and handler is a template on the layout,
+// roi_align.h's RoiAlignNCHW / RoiAlignNHWC): the gather reads the output gradient in place (it
+// is already [K, bins, C]: no staging, host query "roi_align_nhwc_backward_input_scratch") and
+// each lane stores its channels of a cell straight to the [N, H, W, C] input gradient; the same
+// terms are added in the same order, so both layouts give the same bits.
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -54,13 +60,15 @@ __device__ __forceinline__ BinItem bin_item(int64_t i, int64_t bins, int64_t chu
   return BinItem{rest / chunks, (rest % chunks) * kChannels, bin};
 }
 
-template <class T>
+template <class Layout, class T>
 __global__ void __launch_bounds__(kThreads)
     roi_align_backward_input_atomic_kernel(const T* __restrict__ dout, const T* __restrict__ boxes,
                                            T* __restrict__ d_input, RoiAlignProblem p,
                                            int64_t chunks) {
   using A = acc_t<T>;
   const int64_t bins = p.bins(), plane = p.H * p.W, items = p.K * chunks * bins;
+  const int64_t binned = Layout::binned_channel_stride(p);
+  const int64_t channel_stride = Layout::channel_stride(p);
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < items; i += stride) {
     const BinItem item = bin_item(i, bins, chunks);
@@ -68,18 +76,19 @@ __global__ void __launch_bounds__(kThreads)
     const RoiBox<A> box = roi_box(boxes, item.k, p);
     if (box.image < 0) continue;
     A grad[kChannels];
-    const T* g = dout + (item.k * p.C + item.c_begin) * bins + item.bin;
+    const T* g =
+        dout + item.k * p.C * bins + item.c_begin * binned + item.bin * Layout::bin_stride(p);
 #pragma unroll
     for (int c = 0; c < kChannels; ++c)
-      grad[c] = c < channels ? to_acc(g[c * bins]) / box.count : A(0);
-    T* planes = d_input + (box.image * p.C + item.c_begin) * plane;
+      grad[c] = c < channels ? to_acc(g[c * binned]) / box.count : A(0);
+    T* planes = d_input + box.image * p.C * plane + item.c_begin * channel_stride;
     for_each_bin_sample(box, item.bin, p, [&](int64_t, const AxisSample<A>& sy, int64_t,
                                               const AxisSample<A>& sx) {
-      const BilinearTaps<A> t = bilinear_taps(sy, sx, p.W);
+      const BilinearTaps<A> t = bilinear_taps(sy, sx, p.W, Layout::cell_stride(p));
 #pragma unroll
       for (int c = 0; c < kChannels; ++c) {
         if (c < channels) {
-          T* v = planes + c * plane;
+          T* v = planes + c * channel_stride;
           atomicAdd(v + t.o1, t.w1 * grad[c]);
           atomicAdd(v + t.o2, t.w2 * grad[c]);
           atomicAdd(v + t.o3, t.w3 * grad[c]);
@@ -92,7 +101,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // One block per box. Thread j takes the items (bin, channel chunk) j, j + kThreads, ... in order;
 // the four coordinate sums are kept in double and reduced over the block in a fixed tree.
-template <class T>
+template <class Layout, class T>
 __global__ void __launch_bounds__(kThreads)
     roi_align_backward_boxes_kernel(const T* __restrict__ dout, const T* __restrict__ input,
                                     const T* __restrict__ boxes, T* __restrict__ d_boxes,
@@ -106,9 +115,10 @@ __global__ void __launch_bounds__(kThreads)
     if (box.image >= 0) {
       for (int64_t j = threadIdx.x; j < bins * chunks; j += kThreads) {
         const int64_t bin = j % bins, c_begin = (j / bins) * kChannels;
-        accumulate_box_gradient<kChannels>(box, bin, dout + (k * p.C + c_begin) * bins,
-                                           input + (box.image * p.C + c_begin) * plane,
-                                           min(int64_t(kChannels), p.C - c_begin), p, d);
+        accumulate_box_gradient<kChannels, Layout>(
+            box, bin, dout + k * p.C * bins + c_begin * Layout::binned_channel_stride(p),
+            input + box.image * p.C * plane + c_begin * Layout::channel_stride(p),
+            min(int64_t(kChannels), p.C - c_begin), p, d);
       }
     }
     for (int q = 0; q < 4; ++q) partial[q][threadIdx.x] = d[q];
@@ -166,10 +176,11 @@ struct GatherLayout {
   int end_bit = 0;
 };
 
-// The layout of a problem with `element_bytes`-byte elements; false if its indices do not fit
-// the 32-bit entries and sort.
+// The layout of a problem with `element_bytes`-byte elements, with room for the output gradient
+// staged channel-minor when `staged` (NCHW calls); false if its indices do not fit the 32-bit
+// entries and sort.
 bool gather_layout(int64_t N, int64_t C, int64_t H, int64_t W, int64_t K, int64_t PH, int64_t PW,
-                   int64_t sampling_ratio, int64_t element_bytes, GatherLayout* s) {
+                   int64_t sampling_ratio, int64_t element_bytes, bool staged, GatherLayout* s) {
   constexpr int64_t kLimit = int64_t(1) << 31;
   s->row_capacity = axis_pair_capacity(PH, H, sampling_ratio);
   s->column_capacity = axis_pair_capacity(PW, W, sampling_ratio);
@@ -181,7 +192,7 @@ bool gather_layout(int64_t N, int64_t C, int64_t H, int64_t W, int64_t K, int64_
   const int64_t row_bytes = wide ? sizeof(RowEntry<double>) : sizeof(RowEntry<float>);
   const int64_t column_bytes = wide ? sizeof(ColumnEntry<double>) : sizeof(ColumnEntry<float>);
   ScratchLayout layout;
-  s->dout = layout.take(K * C * PH * PW * element_bytes);
+  s->dout = layout.take(staged ? K * C * PH * PW * element_bytes : 0);
   s->keys_in = layout.take(s->entries * 4);
   s->keys_out = layout.take(s->entries * 4);
   s->values_in = layout.take(s->entries * 4);
@@ -204,16 +215,19 @@ bool atomic_backward_input(bool deterministic, int64_t element_bytes) {
   return !deterministic && element_bytes >= 4;
 }
 
-// Host query "roi_align_backward_input_scratch": the scratch bytes of the d_input pass, or -1 if
-// its indices do not fit the 32-bit sort. Arguments: the folded call's N, C, H, W, `boxes` (K),
-// pooled_height, pooled_width, sampling_ratio, element_bytes and deterministic.
+// Host queries "roi_align_backward_input_scratch" and "roi_align_nhwc_backward_input_scratch":
+// the scratch bytes of the d_input pass, or -1 if its indices do not fit the 32-bit sort.
+// Arguments: the folded call's N, C, H, W, `boxes` (K), pooled_height, pooled_width,
+// sampling_ratio, element_bytes and deterministic.
+template <class Layout>
 int64_t backward_input_scratch_query(const QueryArgs& a) {
   const int64_t N = a["N"], C = a["C"], H = a["H"], W = a["W"], K = a["boxes"];
   const int64_t PH = a["pooled_height"], PW = a["pooled_width"], ratio = a["sampling_ratio"];
   const int64_t element_bytes = a["element_bytes"];
   if (atomic_backward_input(a["deterministic"] != 0, element_bytes)) return 0;
   GatherLayout s;
-  if (!gather_layout(N, C, H, W, K, PH, PW, ratio, element_bytes, &s)) return -1;
+  if (!gather_layout(N, C, H, W, K, PH, PW, ratio, element_bytes, !Layout::kChannelsLast, &s))
+    return -1;
   return s.total;
 }
 
@@ -355,7 +369,7 @@ struct GatherLaunch {
   int64_t entries_at, terms_at, shared_bytes;  // shared memory: tile, entries, terms
 };
 
-template <class T>
+template <class T, class Layout>
 GatherLaunch gather_launch(const RoiAlignProblem& p, int64_t column_capacity) {
   using A = acc_t<T>;
   GatherLaunch l;
@@ -364,7 +378,10 @@ GatherLaunch gather_launch(const RoiAlignProblem& p, int64_t column_capacity) {
   l.tile_cells = std::max(kMaxCellsPerGroup * groups, 16);
   for (;;) {
     l.tile_stride = l.tile_cells + 1;
-    l.entries_at = round_up(l.slabs.slab * l.tile_stride * int64_t(sizeof(T)), kSharedAlign);
+    // Channels last stores from registers: no output tile in shared memory.
+    l.entries_at = Layout::kChannelsLast
+                       ? 0
+                       : round_up(l.slabs.slab * l.tile_stride * int64_t(sizeof(T)), kSharedAlign);
     l.terms_at = l.entries_at + kGatherChunk * int64_t(sizeof(RowEntry<A>));
     l.shared_bytes = l.terms_at + kGatherChunk * l.tile_cells * int64_t(sizeof(CellTerm<A>));
     if (l.shared_bytes <= kGatherTileBytes || l.tile_cells == 1) break;
@@ -438,8 +455,9 @@ __device__ __forceinline__ void gather_cell(const T* __restrict__ slab,
 // Block item t = (slab, input row, run of columns), slabs slowest. The block stages the row's
 // entries kGatherChunk at a time with each entry's term at each cell of the run; group g keeps
 // the accumulators of cells g * cells_per_group, ... and writes them to a shared tile that the
-// block stores per channel.
-template <class T, int kPerLane, int kVec, class Index>
+// block stores per channel (channels last: each lane stores its channels of its cells directly).
+// `dout_t` is the output gradient as [K, bins, C]: staged (NCHW) or the operand itself (NHWC).
+template <class Layout, class T, int kPerLane, int kVec, class Index>
 __global__ void __launch_bounds__(kThreads, 3)
     roi_align_gather_kernel(const T* __restrict__ dout_t, const uint32_t* __restrict__ row_offsets,
                             const RowEntry<acc_t<T>>* __restrict__ entries,
@@ -501,22 +519,39 @@ __global__ void __launch_bounds__(kThreads, 3)
       }
       __syncthreads();  // the staged chunk is rewritten next
     }
+    if constexpr (Layout::kChannelsLast) {
+      // row = image * H + h: cell (row, x) of the [N, H, W, C] gradient starts at
+      // (row * W + x) * C.
 #pragma unroll
-    for (int i = 0; i < kMaxCellsPerGroup; ++i) {
-      const int cell = group * l.cells_per_group + i;
-      if (i < l.cells_per_group && cell < cells)
+      for (int i = 0; i < kMaxCellsPerGroup; ++i) {
+        const int cell = group * l.cells_per_group + i;
+        if (i < l.cells_per_group && cell < cells) {
+          T* out = d_input + (row * p.W + x0 + cell) * p.C + c0;
 #pragma unroll
-        for (int u = 0; u < kPerLane; ++u) {
-          const int c = slab_channel<kVec>(u, lanes, lane);
-          if (c < channels) tile[c * l.tile_stride + cell] = from_acc<T>(acc[i][u]);
+          for (int u = 0; u < kPerLane; ++u) {
+            const int c = slab_channel<kVec>(u, lanes, lane);
+            if (c < channels) out[c] = from_acc<T>(acc[i][u]);
+          }
         }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kMaxCellsPerGroup; ++i) {
+        const int cell = group * l.cells_per_group + i;
+        if (i < l.cells_per_group && cell < cells)
+#pragma unroll
+          for (int u = 0; u < kPerLane; ++u) {
+            const int c = slab_channel<kVec>(u, lanes, lane);
+            if (c < channels) tile[c * l.tile_stride + cell] = from_acc<T>(acc[i][u]);
+          }
+      }
+      __syncthreads();
+      T* out = d_input + ((row / p.H) * p.C + c0) * plane + (row % p.H) * p.W + x0;
+      for (int c = warp; c < channels; c += warps)
+        for (int x = threadIdx.x % 32; x < cells; x += 32)
+          out[c * plane + x] = tile[c * l.tile_stride + x];
+      __syncthreads();  // the tile is rewritten for the next item
     }
-    __syncthreads();
-    T* out = d_input + ((row / p.H) * p.C + c0) * plane + (row % p.H) * p.W + x0;
-    for (int c = warp; c < channels; c += warps)
-      for (int x = threadIdx.x % 32; x < cells; x += 32)
-        out[c * plane + x] = tile[c * l.tile_stride + x];
-    __syncthreads();  // the tile is rewritten for the next item
   }
 }
 
@@ -524,18 +559,19 @@ __global__ void __launch_bounds__(kThreads, 3)
 
 int64_t channel_chunks(const RoiAlignProblem& p) { return (p.C + kChannels - 1) / kChannels; }
 
+template <class Layout>
 ffi::Error roi_align_backward_boxes(cudaStream_t stream, ffi::AnyBuffer dout, ffi::AnyBuffer input,
                                     ffi::AnyBuffer boxes, RoiAlignAttrs attrs,
                                     ffi::Result<ffi::AnyBuffer> d_boxes) {
   RoiAlignProblem p;
-  if (auto err = roi_align_problem("roi_align backward", attrs, input, boxes, dout, &p);
+  if (auto err = roi_align_problem<Layout>("roi_align backward", attrs, input, boxes, dout, &p);
       err.failure())
     return err;
   if (p.K == 0) return ffi::Error::Success();
   return dispatch_float(input.element_type(), "roi_align backward", [&](auto tag) {
     using T = typename decltype(tag)::type;
     const unsigned blocks = unsigned(std::min<int64_t>(p.K, int64_t(1) << 30));
-    roi_align_backward_boxes_kernel<T><<<blocks, kThreads, 0, stream>>>(
+    roi_align_backward_boxes_kernel<Layout, T><<<blocks, kThreads, 0, stream>>>(
         static_cast<const T*>(dout.untyped_data()), static_cast<const T*>(input.untyped_data()),
         static_cast<const T*>(boxes.untyped_data()), static_cast<T*>(d_boxes->untyped_data()), p,
         channel_chunks(p));
@@ -544,6 +580,7 @@ ffi::Error roi_align_backward_boxes(cudaStream_t stream, ffi::AnyBuffer dout, ff
 }
 
 // d_input with deterministic=False, float32/float64: atomicAdd of each sample's contribution.
+template <class Layout>
 ffi::Error backward_input_atomic(cudaStream_t stream, const RoiAlignProblem& p,
                                  const ffi::AnyBuffer& dout, const ffi::AnyBuffer& boxes,
                                  ffi::Result<ffi::AnyBuffer>& d_input) {
@@ -556,7 +593,7 @@ ffi::Error backward_input_atomic(cudaStream_t stream, const RoiAlignProblem& p,
   return dispatch_float(dout.element_type(), "roi_align backward", [&](auto tag) -> ffi::Error {
     using T = typename decltype(tag)::type;
     if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
-      roi_align_backward_input_atomic_kernel<T>
+      roi_align_backward_input_atomic_kernel<Layout, T>
           <<<grid_blocks(items, kThreads), kThreads, 0, stream>>>(
               static_cast<const T*>(dout.untyped_data()),
               static_cast<const T*>(boxes.untyped_data()), static_cast<T*>(d_input->untyped_data()),
@@ -569,22 +606,24 @@ ffi::Error backward_input_atomic(cudaStream_t stream, const RoiAlignProblem& p,
   });
 }
 
+template <class Layout>
 ffi::Error roi_align_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, ffi::AnyBuffer boxes,
                                     RoiAlignAttrs attrs, ffi::Result<ffi::AnyBuffer> d_input,
                                     ffi::Result<ffi::AnyBuffer> scratch) {
   const char* op = "roi_align backward";
   RoiAlignProblem p;
-  if (auto err = roi_align_problem(op, attrs, *d_input, boxes, dout, &p); err.failure())
+  if (auto err = roi_align_problem<Layout>(op, attrs, *d_input, boxes, dout, &p); err.failure())
     return err;
   if (d_input->size_bytes() == 0) return ffi::Error::Success();
   if (atomic_backward_input(attrs.deterministic, int64_t(ffi::ByteWidth(dout.element_type()))))
-    return backward_input_atomic(stream, p, dout, boxes, d_input);
+    return backward_input_atomic<Layout>(stream, p, dout, boxes, d_input);
   if (p.K == 0)
     return cuda_status(op, cudaMemsetAsync(d_input->untyped_data(), 0, d_input->size_bytes(),
                                            stream));
   GatherLayout layout;
   if (!gather_layout(p.N, p.C, p.H, p.W, p.K, p.PH, p.PW, p.sampling_ratio,
-                     int64_t(ffi::ByteWidth(dout.element_type())), &layout))
+                     int64_t(ffi::ByteWidth(dout.element_type())), !Layout::kChannelsLast,
+                     &layout))
     return ffi::Error::InvalidArgument("roi_align backward: too many row entries for the sort");
   if (int64_t(scratch->size_bytes()) < layout.total)
     return ffi::Error::InvalidArgument(
@@ -601,11 +640,15 @@ ffi::Error roi_align_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, ff
   return dispatch_float(dout.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = typename decltype(tag)::type;
     using A = acc_t<T>;
-    T* dout_t = reinterpret_cast<T*>(base + layout.dout);
+    const T* dout_t = static_cast<const T*>(dout.untyped_data());  // [K, bins, C] when NHWC
     auto* row_entries = reinterpret_cast<RowEntry<A>*>(base + layout.rows);
     auto* sorted_rows = reinterpret_cast<RowEntry<A>*>(base + layout.sorted_rows);
     auto* columns = reinterpret_cast<ColumnEntry<A>*>(base + layout.columns);
-    transpose(static_cast<const T*>(dout.untyped_data()), dout_t, p.K, p.C, p.bins(), stream);
+    if constexpr (!Layout::kChannelsLast) {
+      T* staged = reinterpret_cast<T*>(base + layout.dout);
+      transpose(dout_t, staged, p.K, p.C, p.bins(), stream);
+      dout_t = staged;
+    }
     roi_align_tables_kernel<T><<<grid_blocks(p.K * 64, kThreads), kThreads, 0, stream>>>(
         static_cast<const T*>(boxes.untyped_data()), p, layout, keys_in, values_in, row_entries,
         column_offsets, columns);
@@ -624,11 +667,12 @@ ffi::Error roi_align_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, ff
         uint32_t(rows));
     if (auto err = launch_status(op); err.failure()) return err;
 
-    const GatherLaunch l = gather_launch<T>(p, layout.column_capacity);
+    const GatherLaunch l = gather_launch<T, Layout>(p, layout.column_capacity);
     const int64_t tiles = l.slabs.slabs * rows * l.row_tiles;
     const bool narrow = p.K * p.bins() * p.C < (int64_t(1) << 31);
     with_slab_kernel<T>(l.slabs, p.C % 4 == 0, narrow, [&](auto per_lane, auto vec, auto index) {
-      roi_align_gather_kernel<T, decltype(per_lane)::value, decltype(vec)::value, decltype(index)>
+      roi_align_gather_kernel<Layout, T, decltype(per_lane)::value, decltype(vec)::value,
+                              decltype(index)>
           <<<grid_blocks(tiles * kThreads, kThreads), kThreads, size_t(l.shared_bytes), stream>>>(
               dout_t, row_offsets, sorted_rows, column_offsets, columns,
               static_cast<T*>(d_input->untyped_data()), p, l);
@@ -641,24 +685,29 @@ using Stream = ffi::PlatformStream<cudaStream_t>;
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignBackwardInputCuda, roi_align_backward_input,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Attrs<RoiAlignAttrs>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>(),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignBackwardBoxesCuda, roi_align_backward_boxes,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Attrs<RoiAlignAttrs>()
-                                  .Ret<ffi::AnyBuffer>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+// The handler symbols of one layout (Suffix: Cuda for NCHW, NhwcCuda for NHWC).
+#define JK_ROI_ALIGN_BACKWARD_CUDA_HANDLERS(Suffix, Layout)                                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignBackwardInput##Suffix, roi_align_backward_input<Layout>, \
+                                ffi::Ffi::Bind()                                               \
+                                    .Ctx<Stream>()                                             \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Attrs<RoiAlignAttrs>()                                    \
+                                    .Ret<ffi::AnyBuffer>()                                     \
+                                    .Ret<ffi::AnyBuffer>(),                                    \
+                                {ffi::Traits::kCmdBufferCompatible});                          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignBackwardBoxes##Suffix, roi_align_backward_boxes<Layout>, \
+                                ffi::Ffi::Bind()                                               \
+                                    .Ctx<Stream>()                                             \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Attrs<RoiAlignAttrs>()                                    \
+                                    .Ret<ffi::AnyBuffer>(),                                    \
+                                {ffi::Traits::kCmdBufferCompatible})
+
+JK_ROI_ALIGN_BACKWARD_CUDA_HANDLERS(Cuda, RoiAlignNCHW);
+JK_ROI_ALIGN_BACKWARD_CUDA_HANDLERS(NhwcCuda, RoiAlignNHWC);
 
 JK_REGISTER_TARGET("jk_roi_align_bwd_input", RoiAlignBackwardInputCuda, "roi_align",
                    "backward d_input",
@@ -667,6 +716,15 @@ JK_REGISTER_TARGET("jk_roi_align_bwd_input", RoiAlignBackwardInputCuda, "roi_ali
                    "bitwise (deterministic=True); atomics otherwise for float32/float64");
 JK_REGISTER_TARGET("jk_roi_align_bwd_boxes", RoiAlignBackwardBoxesCuda, "roi_align",
                    "backward d_boxes", "cuda per-box block reduction (float64)", "bitwise");
-JK_REGISTER_QUERY("roi_align_backward_input_scratch", backward_input_scratch_query);
+JK_REGISTER_TARGET("jk_roi_align_nhwc_bwd_input", RoiAlignBackwardInputNhwcCuda, "roi_align",
+                   "backward d_input (NHWC)",
+                   "cuda row-entry sort (CUB) + channel-slab ordered gather, in place (atomics "
+                   "for float32/float64 if deterministic=False)",
+                   "bitwise (deterministic=True); atomics otherwise for float32/float64");
+JK_REGISTER_TARGET("jk_roi_align_nhwc_bwd_boxes", RoiAlignBackwardBoxesNhwcCuda, "roi_align",
+                   "backward d_boxes (NHWC)", "cuda per-box block reduction (float64)", "bitwise");
+JK_REGISTER_QUERY("roi_align_backward_input_scratch", backward_input_scratch_query<RoiAlignNCHW>);
+JK_REGISTER_QUERY("roi_align_nhwc_backward_input_scratch",
+                  backward_input_scratch_query<RoiAlignNHWC>);
 
 }  // namespace jax_kernels

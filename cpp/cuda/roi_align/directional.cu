@@ -14,6 +14,11 @@
 // (an O(1) test per box), and each thread adds the kept boxes' terms at its cell, row bins then
 // column bins in ascending order, the CPU pass's order. The scan costs K cheap tests per item;
 // the terms cost what the boxes' footprints hold.
+//
+// Every kernel and handler is a template on the layout (roi_align.h's RoiAlignNCHW and
+// RoiAlignNHWC), registered as jk_roi_align_*_directional and jk_roi_align_nhwc_*_directional:
+// channels last, a thread's 16 channels are consecutive in memory (read and written in place),
+// and the terms are added in the same order as for NCHW.
 #include <algorithm>
 #include <cstdint>
 
@@ -36,13 +41,14 @@ int64_t channel_chunks(const RoiAlignProblem& p) { return (p.C + kChannels - 1) 
 
 // ---- forward directional -----------------------------------------------------------------------
 
-template <class T>
+template <class Layout, class T>
 __global__ void __launch_bounds__(kThreads)
     roi_align_forward_directional_kernel(const T* __restrict__ input, const T* __restrict__ boxes,
                                          const T* __restrict__ u, const T* __restrict__ v,
                                          T* __restrict__ out, RoiAlignProblem p, int64_t chunks) {
   using A = acc_t<T>;
   const int64_t bins = p.bins(), plane = p.H * p.W, items = p.K * chunks * bins;
+  const int64_t binned = Layout::binned_channel_stride(p);
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < items; i += stride) {
     const int64_t bin = i % bins, rest = i / bins;
@@ -53,19 +59,19 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int c = 0; c < kChannels; ++c) acc[c] = A(0);
     if (box.image >= 0)
-      accumulate_bin_directional<kChannels>(box, roi_directional(u, v, k), bin,
-                                            input + (box.image * p.C + c_begin) * plane,
-                                            channels, p, acc);
-    T* o = out + (k * p.C + c_begin) * bins + bin;
+      accumulate_bin_directional<kChannels, Layout>(
+          box, roi_directional(u, v, k), bin,
+          input + box.image * p.C * plane + c_begin * Layout::channel_stride(p), channels, p, acc);
+    T* o = out + k * p.C * bins + c_begin * binned + bin * Layout::bin_stride(p);
 #pragma unroll
     for (int c = 0; c < kChannels; ++c)
-      if (c < channels) o[c * bins] = from_acc<T>(acc[c] / box.count);
+      if (c < channels) o[c * binned] = from_acc<T>(acc[c] / box.count);
   }
 }
 
 // ---- box gradient along u ----------------------------------------------------------------------
 
-template <class T>
+template <class Layout, class T>
 __global__ void __launch_bounds__(kThreads)
     roi_align_backward_boxes_directional_kernel(const T* __restrict__ dout,
                                                 const T* __restrict__ input,
@@ -82,9 +88,10 @@ __global__ void __launch_bounds__(kThreads)
     if (box.image >= 0) {
       for (int64_t j = threadIdx.x; j < bins * chunks; j += kThreads) {
         const int64_t bin = j % bins, c_begin = (j / bins) * kChannels;
-        accumulate_box_hessian<kChannels>(box, direction, bin, dout + (k * p.C + c_begin) * bins,
-                                          input + (box.image * p.C + c_begin) * plane,
-                                          min(int64_t(kChannels), p.C - c_begin), p, d);
+        accumulate_box_hessian<kChannels, Layout>(
+            box, direction, bin, dout + k * p.C * bins + c_begin * Layout::binned_channel_stride(p),
+            input + box.image * p.C * plane + c_begin * Layout::channel_stride(p),
+            min(int64_t(kChannels), p.C - c_begin), p, d);
       }
     }
     for (int q = 0; q < 4; ++q) partial[q][threadIdx.x] = d[q];
@@ -120,7 +127,7 @@ __device__ bool box_reaches_tile(const T* boxes, int64_t k, const RoiAlignProble
   return t0 < t1;
 }
 
-template <class T>
+template <class Layout, class T>
 __global__ void __launch_bounds__(kThreads)
     roi_align_backward_input_directional_kernel(const T* __restrict__ dout,
                                                 const T* __restrict__ boxes,
@@ -133,6 +140,8 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int warp_counts[kThreads / 32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t bins = p.bins(), plane = p.H * p.W;
+  const int64_t binned = Layout::binned_channel_stride(p), bin_stride = Layout::bin_stride(p);
+  const int64_t channel_stride = Layout::channel_stride(p);
   const int64_t items = p.N * row_tiles * column_tiles * chunks;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     const int64_t chunk = item % chunks, rest = item / chunks;
@@ -167,11 +176,11 @@ __global__ void __launch_bounds__(kThreads)
           const RoiBox<A> box = roi_box(boxes, kk, p);
           DirectionalTerms<A> row_terms, column_terms;
           directional_terms(roi_directional(u, v, kk), &row_terms, &column_terms);
-          const T* g = dout + (kk * p.C + c_begin) * bins;
+          const T* g = dout + kk * p.C * bins + c_begin * binned;
           for_each_directional_index_bin(
               box.y, row_terms, h, p.H, [&](int64_t row_bin, DirectionalPair<A> row_pair) {
                 const DirectionalPair<A> row = directional_row_pair(box, row_pair);
-                const T* g_row = g + row_bin * p.PW;
+                const T* g_row = g + row_bin * p.PW * bin_stride;
                 for_each_directional_index_bin(
                     box.x, column_terms, w, p.W,
                     [&](int64_t column_bin, DirectionalPair<A> column) {
@@ -179,7 +188,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
                       for (int c = 0; c < kChannels; ++c)
                         if (c < channels)
-                          acc[c] += input_gradient_term(g_row[c * bins + column_bin], weight);
+                          acc[c] += input_gradient_term(
+                              g_row[c * binned + column_bin * bin_stride], weight);
                     });
               });
         }
@@ -187,30 +197,34 @@ __global__ void __launch_bounds__(kThreads)
       __syncthreads();  // kept and warp_counts are rewritten for the next batch
     }
     if (inside) {
-      T* out = d_input + (n * p.C + c_begin) * plane + h * p.W + w;
+      T* out = d_input + n * p.C * plane + c_begin * channel_stride +
+               (h * p.W + w) * Layout::cell_stride(p);
 #pragma unroll
       for (int c = 0; c < kChannels; ++c)
-        if (c < channels) out[c * plane] = from_acc<T>(acc[c]);
+        if (c < channels) out[c * channel_stride] = from_acc<T>(acc[c]);
     }
   }
 }
 
 // ---- handlers ----------------------------------------------------------------------------------
 
+template <class Layout>
 ffi::Error roi_align_forward_directional(cudaStream_t stream, ffi::AnyBuffer input,
                                          ffi::AnyBuffer boxes, ffi::AnyBuffer u,
                                          ffi::RemainingArgs rest, RoiAlignAttrs attrs,
                                          ffi::Result<ffi::AnyBuffer> out) {
   const char* op = "roi_align forward directional";
   RoiAlignProblem p;
-  if (auto err = roi_align_problem(op, attrs, input, boxes, *out, &p); err.failure()) return err;
+  if (auto err = roi_align_problem<Layout>(op, attrs, input, boxes, *out, &p); err.failure())
+    return err;
   const void* v = nullptr;
   if (auto err = roi_align_directions(op, boxes, u, rest, &v); err.failure()) return err;
   const int64_t items = p.K * channel_chunks(p) * p.bins();
   if (items == 0) return ffi::Error::Success();
   return dispatch_float(input.element_type(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    roi_align_forward_directional_kernel<T><<<grid_blocks(items, kThreads), kThreads, 0, stream>>>(
+    roi_align_forward_directional_kernel<Layout, T>
+        <<<grid_blocks(items, kThreads), kThreads, 0, stream>>>(
         static_cast<const T*>(input.untyped_data()), static_cast<const T*>(boxes.untyped_data()),
         static_cast<const T*>(u.untyped_data()), static_cast<const T*>(v),
         static_cast<T*>(out->untyped_data()), p, channel_chunks(p));
@@ -218,13 +232,14 @@ ffi::Error roi_align_forward_directional(cudaStream_t stream, ffi::AnyBuffer inp
   });
 }
 
+template <class Layout>
 ffi::Error roi_align_backward_input_directional(cudaStream_t stream, ffi::AnyBuffer dout,
                                                 ffi::AnyBuffer boxes, ffi::AnyBuffer u,
                                                 ffi::RemainingArgs rest, RoiAlignAttrs attrs,
                                                 ffi::Result<ffi::AnyBuffer> d_input) {
   const char* op = "roi_align backward d_input directional";
   RoiAlignProblem p;
-  if (auto err = roi_align_problem(op, attrs, *d_input, boxes, dout, &p); err.failure())
+  if (auto err = roi_align_problem<Layout>(op, attrs, *d_input, boxes, dout, &p); err.failure())
     return err;
   const void* v = nullptr;
   if (auto err = roi_align_directions(op, boxes, u, rest, &v); err.failure()) return err;
@@ -234,7 +249,7 @@ ffi::Error roi_align_backward_input_directional(cudaStream_t stream, ffi::AnyBuf
   const int64_t items = p.N * row_tiles * column_tiles * channel_chunks(p);
   return dispatch_float(dout.element_type(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    roi_align_backward_input_directional_kernel<T>
+    roi_align_backward_input_directional_kernel<Layout, T>
         <<<grid_blocks(items * kThreads, kThreads), kThreads, 0, stream>>>(
             static_cast<const T*>(dout.untyped_data()),
             static_cast<const T*>(boxes.untyped_data()), static_cast<const T*>(u.untyped_data()),
@@ -244,19 +259,21 @@ ffi::Error roi_align_backward_input_directional(cudaStream_t stream, ffi::AnyBuf
   });
 }
 
+template <class Layout>
 ffi::Error roi_align_backward_boxes_directional(cudaStream_t stream, ffi::AnyBuffer dout,
                                                 ffi::AnyBuffer input, ffi::AnyBuffer boxes,
                                                 ffi::AnyBuffer u, RoiAlignAttrs attrs,
                                                 ffi::Result<ffi::AnyBuffer> d_boxes) {
   const char* op = "roi_align backward d_boxes directional";
   RoiAlignProblem p;
-  if (auto err = roi_align_problem(op, attrs, input, boxes, dout, &p); err.failure()) return err;
+  if (auto err = roi_align_problem<Layout>(op, attrs, input, boxes, dout, &p); err.failure())
+    return err;
   if (auto err = roi_align_hessian_operands(op, boxes, u, *d_boxes); err.failure()) return err;
   if (p.K == 0) return ffi::Error::Success();
   return dispatch_float(input.element_type(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
     const unsigned blocks = unsigned(std::min<int64_t>(p.K, int64_t(1) << 30));
-    roi_align_backward_boxes_directional_kernel<T><<<blocks, kThreads, 0, stream>>>(
+    roi_align_backward_boxes_directional_kernel<Layout, T><<<blocks, kThreads, 0, stream>>>(
         static_cast<const T*>(dout.untyped_data()), static_cast<const T*>(input.untyped_data()),
         static_cast<const T*>(boxes.untyped_data()), static_cast<const T*>(u.untyped_data()),
         static_cast<T*>(d_boxes->untyped_data()), p, channel_chunks(p));
@@ -268,38 +285,44 @@ using Stream = ffi::PlatformStream<cudaStream_t>;
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignForwardDirectionalCuda, roi_align_forward_directional,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .Attrs<RoiAlignAttrs>()
-                                  .Ret<ffi::AnyBuffer>(),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignBackwardInputDirectionalCuda,
-                              roi_align_backward_input_directional,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .Attrs<RoiAlignAttrs>()
-                                  .Ret<ffi::AnyBuffer>(),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignBackwardBoxesDirectionalCuda,
-                              roi_align_backward_boxes_directional,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Attrs<RoiAlignAttrs>()
-                                  .Ret<ffi::AnyBuffer>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+// The handler symbols of one layout (Suffix: Cuda for NCHW, NhwcCuda for NHWC).
+#define JK_ROI_ALIGN_DIRECTIONAL_CUDA_HANDLERS(Suffix, Layout)                                 \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignForwardDirectional##Suffix,                            \
+                                roi_align_forward_directional<Layout>,                         \
+                                ffi::Ffi::Bind()                                               \
+                                    .Ctx<Stream>()                                             \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .RemainingArgs()                                           \
+                                    .Attrs<RoiAlignAttrs>()                                    \
+                                    .Ret<ffi::AnyBuffer>(),                                    \
+                                {ffi::Traits::kCmdBufferCompatible});                          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignBackwardInputDirectional##Suffix,                      \
+                                roi_align_backward_input_directional<Layout>,                  \
+                                ffi::Ffi::Bind()                                               \
+                                    .Ctx<Stream>()                                             \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .RemainingArgs()                                           \
+                                    .Attrs<RoiAlignAttrs>()                                    \
+                                    .Ret<ffi::AnyBuffer>(),                                    \
+                                {ffi::Traits::kCmdBufferCompatible});                          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignBackwardBoxesDirectional##Suffix,                      \
+                                roi_align_backward_boxes_directional<Layout>,                  \
+                                ffi::Ffi::Bind()                                               \
+                                    .Ctx<Stream>()                                             \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Attrs<RoiAlignAttrs>()                                    \
+                                    .Ret<ffi::AnyBuffer>(),                                    \
+                                {ffi::Traits::kCmdBufferCompatible})
+
+JK_ROI_ALIGN_DIRECTIONAL_CUDA_HANDLERS(Cuda, RoiAlignNCHW);
+JK_ROI_ALIGN_DIRECTIONAL_CUDA_HANDLERS(NhwcCuda, RoiAlignNHWC);
 
 JK_REGISTER_TARGET("jk_roi_align_fwd_directional", RoiAlignForwardDirectionalCuda, "roi_align",
                    "forward directional", "cuda per-(box, bin, 16 channels) thread", "bitwise");
@@ -310,5 +333,17 @@ JK_REGISTER_TARGET("jk_roi_align_bwd_input_directional", RoiAlignBackwardInputDi
 JK_REGISTER_TARGET("jk_roi_align_bwd_boxes_directional", RoiAlignBackwardBoxesDirectionalCuda,
                    "roi_align", "backward d_boxes directional",
                    "cuda per-box block reduction (float64)", "bitwise");
+JK_REGISTER_TARGET("jk_roi_align_nhwc_fwd_directional", RoiAlignForwardDirectionalNhwcCuda,
+                   "roi_align", "forward directional (NHWC)",
+                   "cuda per-(box, bin, 16 channels) thread", "bitwise");
+JK_REGISTER_TARGET("jk_roi_align_nhwc_bwd_input_directional",
+                   RoiAlignBackwardInputDirectionalNhwcCuda, "roi_align",
+                   "backward d_input directional (NHWC)",
+                   "cuda per-cell owner over boxes in order (tile box scan, no scratch)",
+                   "bitwise");
+JK_REGISTER_TARGET("jk_roi_align_nhwc_bwd_boxes_directional",
+                   RoiAlignBackwardBoxesDirectionalNhwcCuda, "roi_align",
+                   "backward d_boxes directional (NHWC)", "cuda per-box block reduction (float64)",
+                   "bitwise");
 
 }  // namespace jax_kernels

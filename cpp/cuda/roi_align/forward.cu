@@ -6,6 +6,11 @@
 // for_each_bin_sample's order; the block stages its outputs in shared memory and writes them as
 // contiguous runs. Scratch (the staged input, the sort) comes from XLA as an extra result sized
 // by the host query "roi_align_forward_scratch".
+//
+// Channels last (jk_roi_align_nhwc_fwd, the same kernel instantiated for RoiAlignNHWC): the input
+// is read in place (no staging: the scratch holds the sort only, host query
+// "roi_align_nhwc_forward_scratch") and each lane stores its channels of a bin straight to the
+// [K, PH, PW, C] output, a group's stores covering consecutive channels.
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -47,7 +52,7 @@ struct ForwardLaunch {
   int64_t ranges_at, shared_bytes;  // shared memory: outputs, then candidate ranges
 };
 
-template <class T>
+template <class T, class Layout>
 ForwardLaunch forward_launch(const RoiAlignProblem& p) {
   ForwardLaunch l;
   l.slabs = channel_slabs(p.C, slab_channels<T>());
@@ -65,7 +70,10 @@ ForwardLaunch forward_launch(const RoiAlignProblem& p) {
     l.tiles = p.PH * l.row_tiles;
   }
   l.tile_stride = (l.tile_rows * l.tile_cols) | 1;  // odd: a group's lanes store to distinct banks
-  l.ranges_at = round_up(l.slabs.slab * l.tile_stride * int64_t(sizeof(T)), kSharedAlign);
+  // Channels last stores from registers: no output tile in shared memory.
+  l.ranges_at = Layout::kChannelsLast
+                    ? 0
+                    : round_up(l.slabs.slab * l.tile_stride * int64_t(sizeof(T)), kSharedAlign);
   l.shared_bytes = l.ranges_at + (l.tile_rows + l.tile_cols) * int64_t(sizeof(CandidateRange));
   return l;
 }
@@ -74,8 +82,8 @@ ForwardLaunch forward_launch(const RoiAlignProblem& p) {
 // flight read a slab of the staged input around a few image rows. The block first finds the
 // candidate samples of the tile's bin rows and columns; then a group takes one bin at a time and
 // sums its samples in for_each_bin_sample's order, its lanes loading the slab's channels of each
-// tap.
-template <class T, int kPerLane, int kVec, class Index>
+// tap. `nhwc` is the staged input (NCHW) or the input itself (NHWC).
+template <class Layout, class T, int kPerLane, int kVec, class Index>
 __global__ void __launch_bounds__(kThreads, 2)
     roi_align_forward_kernel(const T* __restrict__ nhwc, const T* __restrict__ boxes,
                              const uint32_t* __restrict__ order, T* __restrict__ out,
@@ -135,24 +143,36 @@ __global__ void __launch_bounds__(kThreads, 2)
             acc[u] += taps.w1 * to_acc(values[0][u]) + taps.w2 * to_acc(values[1][u]) +
                       taps.w3 * to_acc(values[2][u]) + taps.w4 * to_acc(values[3][u]);
         });
+      if constexpr (Layout::kChannelsLast) {
+        T* o = out + (k * bins + (ph0 + r) * p.PW + pw0 + c) * p.C + c0;
 #pragma unroll
-      for (int u = 0; u < kPerLane; ++u) {
-        const int channel = slab_channel<kVec>(u, lanes, lane);
-        if (channel < channels) tile[channel * l.tile_stride + b] = from_acc<T>(acc[u] / box.count);
+        for (int u = 0; u < kPerLane; ++u) {
+          const int channel = slab_channel<kVec>(u, lanes, lane);
+          if (channel < channels) o[channel] = from_acc<T>(acc[u] / box.count);
+        }
+      } else {
+#pragma unroll
+        for (int u = 0; u < kPerLane; ++u) {
+          const int channel = slab_channel<kVec>(u, lanes, lane);
+          if (channel < channels)
+            tile[channel * l.tile_stride + b] = from_acc<T>(acc[u] / box.count);
+        }
       }
     }
-    __syncthreads();
-    // The tile's bins are consecutive: whole rows, or part of one row.
-    T* o = out + (k * p.C + c0) * bins + ph0 * p.PW + pw0;
-    for (int channel = warp; channel < channels; channel += warps)
-      for (int b = threadIdx.x % 32; b < rows * cols; b += 32)
-        o[channel * bins + b] = tile[channel * l.tile_stride + b];
-    __syncthreads();  // the tile and the ranges are rewritten for the next item
+    __syncthreads();  // the ranges (and the tile) are rewritten for the next item
+    if constexpr (!Layout::kChannelsLast) {
+      // The tile's bins are consecutive: whole rows, or part of one row.
+      T* o = out + (k * p.C + c0) * bins + ph0 * p.PW + pw0;
+      for (int channel = warp; channel < channels; channel += warps)
+        for (int b = threadIdx.x % 32; b < rows * cols; b += 32)
+          o[channel * bins + b] = tile[channel * l.tile_stride + b];
+      __syncthreads();
+    }
   }
 }
 
-// The forward's scratch: the NHWC staging of the input, then the sort of the boxes by image and
-// center row (keys, values, CUB temp storage).
+// The forward's scratch: the NHWC staging of the input (when `staged`: NCHW calls), then the sort
+// of the boxes by image and center row (keys, values, CUB temp storage).
 struct ForwardLayout {
   int64_t nhwc = 0, keys_in = 0, keys_out = 0, values_in = 0, values_out = 0, sort_temp = 0,
           sort_temp_bytes = 0, total = 0;
@@ -160,10 +180,10 @@ struct ForwardLayout {
 };
 
 bool forward_layout(int64_t N, int64_t C, int64_t H, int64_t W, int64_t K, int64_t element_bytes,
-                    ForwardLayout* s) {
+                    bool staged, ForwardLayout* s) {
   if (K >= (int64_t(1) << 31) || N * H >= (int64_t(1) << 32) - 1) return false;
   ScratchLayout layout;
-  s->nhwc = layout.take(N * C * H * W * element_bytes);
+  s->nhwc = layout.take(staged ? N * C * H * W * element_bytes : 0);
   s->keys_in = layout.take(K * 4);
   s->keys_out = layout.take(K * 4);
   s->values_in = layout.take(K * 4);
@@ -193,27 +213,32 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Host query "roi_align_forward_scratch": the bytes of the forward's scratch, or -1 if the box
-// sort's keys do not fit 32 bits. Arguments: N, C, H, W, `boxes` (K) and element_bytes.
+// Host queries "roi_align_forward_scratch" and "roi_align_nhwc_forward_scratch": the bytes of
+// the forward's scratch, or -1 if the box sort's keys do not fit 32 bits. Arguments: N, C, H, W,
+// `boxes` (K) and element_bytes.
+template <class Layout>
 int64_t forward_scratch_query(const QueryArgs& a) {
   ForwardLayout s;
-  if (!forward_layout(a["N"], a["C"], a["H"], a["W"], a["boxes"], a["element_bytes"], &s))
+  if (!forward_layout(a["N"], a["C"], a["H"], a["W"], a["boxes"], a["element_bytes"],
+                      !Layout::kChannelsLast, &s))
     return -1;
   return s.total;
 }
 
 // ---- handler -----------------------------------------------------------------------------------
 
+template <class Layout>
 ffi::Error roi_align_forward(cudaStream_t stream, ffi::AnyBuffer input, ffi::AnyBuffer boxes,
                              RoiAlignAttrs attrs, ffi::Result<ffi::AnyBuffer> out,
                              ffi::Result<ffi::AnyBuffer> scratch) {
   const char* op = "roi_align";
   RoiAlignProblem p;
-  if (auto err = roi_align_problem(op, attrs, input, boxes, *out, &p); err.failure()) return err;
+  if (auto err = roi_align_problem<Layout>(op, attrs, input, boxes, *out, &p); err.failure())
+    return err;
   if (p.K * p.C * p.bins() == 0) return ffi::Error::Success();
   ForwardLayout layout;
   if (!forward_layout(p.N, p.C, p.H, p.W, p.K, int64_t(ffi::ByteWidth(input.element_type())),
-                      &layout))
+                      !Layout::kChannelsLast, &layout))
     return ffi::Error::InvalidArgument("roi_align: too many boxes or rows for the box sort");
   if (int64_t(scratch->size_bytes()) < layout.total)
     return ffi::Error::InvalidArgument("roi_align: scratch buffer smaller than the query's size");
@@ -221,8 +246,12 @@ ffi::Error roi_align_forward(cudaStream_t stream, ffi::AnyBuffer input, ffi::Any
   return dispatch_float(input.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = typename decltype(tag)::type;
     const T* box_data = static_cast<const T*>(boxes.untyped_data());
-    T* nhwc = reinterpret_cast<T*>(base + layout.nhwc);
-    transpose(static_cast<const T*>(input.untyped_data()), nhwc, p.N, p.C, p.H * p.W, stream);
+    const T* nhwc = static_cast<const T*>(input.untyped_data());
+    if constexpr (!Layout::kChannelsLast) {
+      T* staged = reinterpret_cast<T*>(base + layout.nhwc);
+      transpose(nhwc, staged, p.N, p.C, p.H * p.W, stream);
+      nhwc = staged;
+    }
     uint32_t* keys_in = reinterpret_cast<uint32_t*>(base + layout.keys_in);
     uint32_t* values_in = reinterpret_cast<uint32_t*>(base + layout.values_in);
     roi_align_box_keys_kernel<T><<<grid_blocks(p.K, kThreads), kThreads, 0, stream>>>(
@@ -234,12 +263,12 @@ ffi::Error roi_align_forward(cudaStream_t stream, ffi::AnyBuffer input, ffi::Any
                                     layout.sort_temp_bytes, stream);
         err.failure())
       return err;
-    const ForwardLaunch l = forward_launch<T>(p);
+    const ForwardLaunch l = forward_launch<T, Layout>(p);
     const int64_t items = l.slabs.slabs * p.K * l.tiles;
     const size_t shared = size_t(l.shared_bytes);
     const bool narrow = p.H * p.W * p.C < (int64_t(1) << 31);
     with_slab_kernel<T>(l.slabs, p.C % 4 == 0, narrow, [&](auto per_lane, auto vec, auto index) {
-      roi_align_forward_kernel<T, decltype(per_lane)::value, decltype(vec)::value,
+      roi_align_forward_kernel<Layout, T, decltype(per_lane)::value, decltype(vec)::value,
                                decltype(index)>
           <<<grid_blocks(items * kThreads, kThreads), kThreads, shared, stream>>>(
               nhwc, box_data, order.Current(), static_cast<T*>(out->untyped_data()), p, l);
@@ -252,17 +281,26 @@ using Stream = ffi::PlatformStream<cudaStream_t>;
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignForwardCuda, roi_align_forward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Attrs<RoiAlignAttrs>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+// The handler symbol of one layout (Suffix: Cuda for NCHW, NhwcCuda for NHWC).
+#define JK_ROI_ALIGN_FORWARD_CUDA_HANDLER(Suffix, Layout)                                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(RoiAlignForward##Suffix, roi_align_forward<Layout>,            \
+                                ffi::Ffi::Bind()                                               \
+                                    .Ctx<Stream>()                                             \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Arg<ffi::AnyBuffer>()                                     \
+                                    .Attrs<RoiAlignAttrs>()                                    \
+                                    .Ret<ffi::AnyBuffer>()                                     \
+                                    .Ret<ffi::AnyBuffer>(),                                    \
+                                {ffi::Traits::kCmdBufferCompatible})
+
+JK_ROI_ALIGN_FORWARD_CUDA_HANDLER(Cuda, RoiAlignNCHW);
+JK_ROI_ALIGN_FORWARD_CUDA_HANDLER(NhwcCuda, RoiAlignNHWC);
+
 JK_REGISTER_TARGET("jk_roi_align_fwd", RoiAlignForwardCuda, "roi_align", "forward",
                    "cuda NHWC staging + channel-slab gather", "bitwise");
-JK_REGISTER_QUERY("roi_align_forward_scratch", forward_scratch_query);
+JK_REGISTER_TARGET("jk_roi_align_nhwc_fwd", RoiAlignForwardNhwcCuda, "roi_align", "forward (NHWC)",
+                   "cuda channel-slab gather (in place)", "bitwise");
+JK_REGISTER_QUERY("roi_align_forward_scratch", forward_scratch_query<RoiAlignNCHW>);
+JK_REGISTER_QUERY("roi_align_nhwc_forward_scratch", forward_scratch_query<RoiAlignNHWC>);
 
 }  // namespace jax_kernels

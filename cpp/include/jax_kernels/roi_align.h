@@ -66,6 +66,30 @@ struct RoiAlignProblem {
   JK_HD int64_t bins() const { return PH * PW; }
 };
 
+// The memory layouts of a call (data_format): where an element lies in the image-side tensors
+// (the input and its gradient, [N, C, H, W] or [N, H, W, C]) and the bin-side tensors (the
+// output and its gradient, [K, C, PH, PW] or [K, PH, PW, C]). Element (channel c, cell
+// o = h * W + w) of an image lies c * channel_stride + o * cell_stride elements past the image's
+// first element, element (channel c, bin b) of a box c * binned_channel_stride + b * bin_stride
+// past the box's; images are C * H * W and boxes C * PH * PW elements apart in both layouts.
+// The handlers and kernels are templates on the layout, so that the math below is written once;
+// the strides of NCHW's cells and bins are the constant 1.
+struct RoiAlignNCHW {
+  static constexpr bool kChannelsLast = false;
+  JK_HD static int64_t channel_stride(const RoiAlignProblem& p) { return p.H * p.W; }
+  JK_HD static constexpr int64_t cell_stride(const RoiAlignProblem&) { return 1; }
+  JK_HD static int64_t binned_channel_stride(const RoiAlignProblem& p) { return p.bins(); }
+  JK_HD static constexpr int64_t bin_stride(const RoiAlignProblem&) { return 1; }
+};
+
+struct RoiAlignNHWC {
+  static constexpr bool kChannelsLast = true;
+  JK_HD static constexpr int64_t channel_stride(const RoiAlignProblem&) { return 1; }
+  JK_HD static int64_t cell_stride(const RoiAlignProblem& p) { return p.C; }
+  JK_HD static constexpr int64_t binned_channel_stride(const RoiAlignProblem&) { return 1; }
+  JK_HD static int64_t bin_stride(const RoiAlignProblem& p) { return p.C; }
+};
+
 // The bilinear footprint of one sample along one axis: indices low/high (equal at the far edge)
 // with weights w_low/w_high, and slope = d w_high / d position (1 inside, 0 where the position is
 // clamped to the first or last index, where the value does not move with the position).
@@ -390,7 +414,8 @@ JK_HD A input_gradient_term(T dout, A weight) {
 }
 
 // The four taps of a sample in a channel plane with torchvision's weights w1 = hy hx, w2 = hy lx,
-// w3 = ly hx, w4 = ly lx; the offsets count cells (h * W + w).
+// w3 = ly hx, w4 = ly lx; the offsets count cells (h * W + w) times `cell_stride` (the layout's:
+// a "plane" is then channel c's first element, and plane[offset] the tap in that channel).
 template <class A>
 struct BilinearTaps {
   int64_t o1, o2, o3, o4;
@@ -404,10 +429,13 @@ struct BilinearTaps {
 };
 
 template <class A>
-JK_HD BilinearTaps<A> bilinear_taps(const AxisSample<A>& sy, const AxisSample<A>& sx, int64_t W) {
-  return BilinearTaps<A>{sy.low * W + sx.low,     sy.low * W + sx.high,    sy.high * W + sx.low,
-                         sy.high * W + sx.high,   sy.w_low * sx.w_low,     sy.w_low * sx.w_high,
-                         sy.w_high * sx.w_low,    sy.w_high * sx.w_high};
+JK_HD BilinearTaps<A> bilinear_taps(const AxisSample<A>& sy, const AxisSample<A>& sx, int64_t W,
+                                    int64_t cell_stride = 1) {
+  const int64_t low = sy.low * W, high = sy.high * W;
+  return BilinearTaps<A>{(low + sx.low) * cell_stride,  (low + sx.high) * cell_stride,
+                         (high + sx.low) * cell_stride, (high + sx.high) * cell_stride,
+                         sy.w_low * sx.w_low,           sy.w_low * sx.w_high,
+                         sy.w_high * sx.w_low,          sy.w_high * sx.w_high};
 }
 
 // d value / d y and d value / d x of a sample in a channel plane, without the clamping slopes
@@ -423,17 +451,19 @@ JK_HD void value_gradient(const BilinearTaps<A>& t, const AxisSample<A>& sy,
 
 // ---- one work item of each pass, the same on both backends -------------------------------------
 // kChannels is the channel chunk of an item: the sample geometry is computed once per item and
-// reused over `channels` (<= kChannels) consecutive channels.
+// reused over `channels` (<= kChannels) consecutive channels. Layout (RoiAlignNCHW or
+// RoiAlignNHWC) places the channels: `planes` points at the item's first channel of the box's
+// image, `box_dout` at the item's first channel of the box's output gradient.
 
-// Forward: acc[c] += sum over the valid samples of bin `bin` of the bilinear value in channel
-// plane planes + c * H * W (the caller divides by box.count).
-template <int kChannels, class T, class A>
+// Forward: acc[c] += sum over the valid samples of bin `bin` of the bilinear value in channel c
+// of the item (the caller divides by box.count).
+template <int kChannels, class Layout, class T, class A>
 JK_HD void accumulate_bin(const RoiBox<A>& box, int64_t bin, const T* planes, int64_t channels,
                           const RoiAlignProblem& p, A (&acc)[kChannels]) {
-  const int64_t plane = p.H * p.W;
+  const int64_t plane = Layout::channel_stride(p);
   for_each_bin_sample(box, bin, p, [&](int64_t, const AxisSample<A>& sy, int64_t,
                                        const AxisSample<A>& sx) {
-    const BilinearTaps<A> taps = bilinear_taps(sy, sx, p.W);
+    const BilinearTaps<A> taps = bilinear_taps(sy, sx, p.W, Layout::cell_stride(p));
 ROI_ALIGN_UNROLL
     for (int c = 0; c < kChannels; ++c)
       if (c < channels) acc[c] += taps.value(planes + c * plane);
@@ -441,20 +471,21 @@ ROI_ALIGN_UNROLL
 }
 
 // Box gradient: d[0..3] += d (sum over the channels of dout * output) / d (x1, y1, x2, y2), before
-// the division by box.count, for bin `bin`; box_dout points at dout[box, first channel, 0, 0] and
-// planes at the first channel plane of the box's image.
-template <int kChannels, class T, class A>
+// the division by box.count, for bin `bin`; box_dout points at the item's first channel of
+// dout[box] and planes at its first channel of the box's image.
+template <int kChannels, class Layout, class T, class A>
 JK_HD void accumulate_box_gradient(const RoiBox<A>& box, int64_t bin, const T* box_dout,
                                    const T* planes, int64_t channels, const RoiAlignProblem& p,
                                    double (&d)[4]) {
-  const int64_t bins = p.bins(), plane = p.H * p.W;
+  const int64_t binned = Layout::binned_channel_stride(p), plane = Layout::channel_stride(p);
+  const T* bin_dout = box_dout + bin * Layout::bin_stride(p);
   A grad[kChannels];
 ROI_ALIGN_UNROLL
   for (int c = 0; c < kChannels; ++c)
-    grad[c] = c < channels ? to_acc(box_dout[c * bins + bin]) : A(0);
+    grad[c] = c < channels ? to_acc(bin_dout[c * binned]) : A(0);
   for_each_bin_sample(box, bin, p, [&](int64_t ty, const AxisSample<A>& sy, int64_t tx,
                                        const AxisSample<A>& sx) {
-    const BilinearTaps<A> taps = bilinear_taps(sy, sx, p.W);
+    const BilinearTaps<A> taps = bilinear_taps(sy, sx, p.W, Layout::cell_stride(p));
     A along_y = A(0), along_x = A(0);
 ROI_ALIGN_UNROLL
     for (int c = 0; c < kChannels; ++c) {
@@ -532,8 +563,8 @@ JK_HD RoiDirectional<acc_t<T>> roi_directional(const T* u, const T* v, int64_t k
 template <class A>
 JK_HD BilinearTaps<A> directional_taps(const RoiBox<A>& box, const RoiDirectional<A>& d,
                                        int64_t ty, const AxisSample<A>& sy, int64_t tx,
-                                       const AxisSample<A>& sx, int64_t W) {
-  BilinearTaps<A> t = bilinear_taps(sy, sx, W);
+                                       const AxisSample<A>& sx, int64_t W, int64_t cell_stride) {
+  BilinearTaps<A> t = bilinear_taps(sy, sx, W, cell_stride);
   if (d.second_order) {
     const A mixed = sy.slope * sx.slope *
                     (d.dy_u(box, ty) * d.dx_v(box, tx) + d.dx_u(box, tx) * d.dy_v(box, ty));
@@ -552,16 +583,16 @@ JK_HD BilinearTaps<A> directional_taps(const RoiBox<A>& box, const RoiDirectiona
 }
 
 // Forward directional: acc[c] += sum over the valid samples of bin `bin` of the directional
-// value in channel plane planes + c * H * W (the caller divides by box.count), in
-// accumulate_bin's order.
-template <int kChannels, class T, class A>
+// value in channel c of the item (the caller divides by box.count), in accumulate_bin's order.
+template <int kChannels, class Layout, class T, class A>
 JK_HD void accumulate_bin_directional(const RoiBox<A>& box, const RoiDirectional<A>& d,
                                       int64_t bin, const T* planes, int64_t channels,
                                       const RoiAlignProblem& p, A (&acc)[kChannels]) {
-  const int64_t plane = p.H * p.W;
+  const int64_t plane = Layout::channel_stride(p);
   for_each_bin_sample(box, bin, p, [&](int64_t ty, const AxisSample<A>& sy, int64_t tx,
                                        const AxisSample<A>& sx) {
-    const BilinearTaps<A> taps = directional_taps(box, d, ty, sy, tx, sx, p.W);
+    const BilinearTaps<A> taps =
+        directional_taps(box, d, ty, sy, tx, sx, p.W, Layout::cell_stride(p));
 ROI_ALIGN_UNROLL
     for (int c = 0; c < kChannels; ++c)
       if (c < channels) acc[c] += taps.value(planes + c * plane);
@@ -573,18 +604,19 @@ ROI_ALIGN_UNROLL
 // the kinks only the mixed second derivative of a bilinear weight survives, so per sample
 // d/d(x1) = h dy(u) dx/dx1, d/d(y1) = h dx(u) dy/dy1, d/d(x2) = h dy(u) dx/dx2,
 // d/d(y2) = h dx(u) dy/dy2 with h = wy' wx' (v1 - v2 - v3 + v4) summed with dout over channels.
-template <int kChannels, class T, class A>
+template <int kChannels, class Layout, class T, class A>
 JK_HD void accumulate_box_hessian(const RoiBox<A>& box, const RoiDirection<A>& u, int64_t bin,
                                   const T* box_dout, const T* planes, int64_t channels,
                                   const RoiAlignProblem& p, double (&d)[4]) {
-  const int64_t bins = p.bins(), plane = p.H * p.W;
+  const int64_t binned = Layout::binned_channel_stride(p), plane = Layout::channel_stride(p);
+  const T* bin_dout = box_dout + bin * Layout::bin_stride(p);
   A grad[kChannels];
 ROI_ALIGN_UNROLL
   for (int c = 0; c < kChannels; ++c)
-    grad[c] = c < channels ? to_acc(box_dout[c * bins + bin]) : A(0);
+    grad[c] = c < channels ? to_acc(bin_dout[c * binned]) : A(0);
   for_each_bin_sample(box, bin, p, [&](int64_t ty, const AxisSample<A>& sy, int64_t tx,
                                        const AxisSample<A>& sx) {
-    const BilinearTaps<A> taps = bilinear_taps(sy, sx, p.W);
+    const BilinearTaps<A> taps = bilinear_taps(sy, sx, p.W, Layout::cell_stride(p));
     A mixed = A(0);
 ROI_ALIGN_UNROLL
     for (int c = 0; c < kChannels; ++c) {
@@ -703,20 +735,28 @@ struct RoiAlignAttrs {
 };
 
 // The problem of a call, or an InvalidArgument error naming `op`: `input` is the input or its
-// gradient [N, C, H, W], `binned` the output or its gradient [K, C, PH, PW], all of one element
-// type (the Python wrapper checks all of it at trace time already).
-inline ffi::Error roi_align_problem(const char* op, const RoiAlignAttrs& attrs,
-                                    const ffi::AnyBuffer& input, const ffi::AnyBuffer& boxes,
-                                    const ffi::AnyBuffer& binned, RoiAlignProblem* problem) {
+// gradient [N, C, H, W], `binned` the output or its gradient [K, C, PH, PW] (with Layout
+// RoiAlignNHWC: [N, H, W, C] and [K, PH, PW, C]), all of one element type (the Python wrapper
+// checks all of it at trace time already).
+template <class Layout>
+ffi::Error roi_align_problem(const char* op, const RoiAlignAttrs& attrs,
+                             const ffi::AnyBuffer& input, const ffi::AnyBuffer& boxes,
+                             const ffi::AnyBuffer& binned, RoiAlignProblem* problem) {
   auto invalid = [op](const std::string& what) {
     return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
   };
+  constexpr bool last = Layout::kChannelsLast;
   const auto in = input.dimensions(), rois = boxes.dimensions(), out = binned.dimensions();
   if (in.size() != 4 || rois.size() != 2 || rois[1] != 5 || out.size() != 4)
-    return invalid("expected input [N, C, H, W], boxes [K, 5] and output [K, C, PH, PW]");
-  if (out[0] != rois[0] || out[1] != in[1] || out[2] != attrs.pooled_height ||
-      out[3] != attrs.pooled_width || attrs.pooled_height < 1 || attrs.pooled_width < 1)
-    return invalid("output (or its gradient) is not [K, C, PH, PW]");
+    return invalid(last ? "expected input [N, H, W, C], boxes [K, 5] and output [K, PH, PW, C]"
+                        : "expected input [N, C, H, W], boxes [K, 5] and output [K, C, PH, PW]");
+  // The extents in NCHW order: (N, C, H, W) and (K, C, PH, PW).
+  const int64_t N = in[0], C = in[last ? 3 : 1], H = in[last ? 1 : 2], W = in[last ? 2 : 3];
+  const int64_t out_c = out[last ? 3 : 1], out_h = out[last ? 1 : 2], out_w = out[last ? 2 : 3];
+  if (out[0] != rois[0] || out_c != C || out_h != attrs.pooled_height ||
+      out_w != attrs.pooled_width || attrs.pooled_height < 1 || attrs.pooled_width < 1)
+    return invalid(last ? "output (or its gradient) is not [K, PH, PW, C]"
+                        : "output (or its gradient) is not [K, C, PH, PW]");
   if (input.element_type() != boxes.element_type() || binned.element_type() != boxes.element_type())
     return invalid("operands differ in element type");
   if (attrs.sampling_ratio > kRoiAlignMaxAdaptiveGrid) return invalid("sampling_ratio above 2^20");
@@ -732,7 +772,7 @@ inline ffi::Error roi_align_problem(const char* op, const RoiAlignAttrs& attrs,
     if (batching.divisor[i] < 1 || batching.modulus[i] < 1 || batching.stride[i] < 0)
       return invalid("invalid batch terms");
   }
-  *problem = RoiAlignProblem{in[0], in[1], in[2], in[3], rois[0], attrs.pooled_height,
+  *problem = RoiAlignProblem{N, C, H, W, rois[0], attrs.pooled_height,
                              attrs.pooled_width, attrs.spatial_scale, attrs.sampling_ratio,
                              attrs.aligned, batching};
   return ffi::Error::Success();
