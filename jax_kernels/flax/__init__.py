@@ -42,7 +42,8 @@ class Conv2d(nnx.Module):
     Args:
       in_features: input channels C.
       out_features: output channels K.
-      kernel_size: ``R`` or ``(R, S)``.
+      kernel_size: ``(R, S)``, or an int for a square kernel (``nnx.Conv`` would read an int
+        as a 1-D kernel; this layer is 2-D only).
       strides: int or ``(h, w)``.
       padding: ``"SAME"`` (the default, as Flax), ``"VALID"``, ``"SAME_LOWER"``,
         ``"CIRCULAR"``, ``"REFLECT"`` (the input is padded by ``jnp.pad`` first, as Flax does),
