@@ -277,16 +277,27 @@ def _roi_touched_cells(boxes, images, height, width, bins, scale, grid):
 
 
 def cases_roi_align(ctx: Context) -> list[Case]:
-    n, c, h, w, k = (2, 256, 200, 272, 1024) if not ctx.quick else (2, 16, 50, 68, 128)
-    bins, scale, grid = 7, 0.25, 2
+    """The FPN level of a detector (N2 C256 200x272, scale 1/4, sampling ratio 2): 1024 boxes
+    pooled to 7x7 and 512 to 14x14, forward and forward+backward, NCHW and channels last."""
+    if ctx.quick:
+        return _roi_align_cases(ctx, 2, 16, 50, 68, 128, 7)
+    return (_roi_align_cases(ctx, 2, 256, 200, 272, 1024, 7) +
+            _roi_align_cases(ctx, 2, 256, 200, 272, 512, 14))
+
+
+def _roi_align_cases(ctx, n, c, h, w, k, bins):
+    scale, grid = 0.25, 2
     x = _jnp_random(ctx, (n, c, h, w))
+    x_last = jnp.transpose(x, (0, 2, 3, 1))
     boxes_np = _roi_boxes(ctx.rng(1), k, n, h / scale, w / scale)
     boxes = jnp.asarray(boxes_np)
     dout = _jnp_random(ctx, (k, c, bins, bins), seed=2)
+    dout_last = jnp.transpose(dout, (0, 2, 3, 1))
     args = ((bins, bins), scale, grid, False)
 
-    def jk_op(deterministic):
-        return lambda x, b: jk.roi_align(x, b, *args, deterministic=deterministic)
+    def jk_op(deterministic, layout="NCHW"):
+        return lambda x, b: jk.roi_align(x, b, *args, deterministic=deterministic,
+                                         data_format=layout)
 
     gather_op = lambda x, b: roi_align_gather(x, b, *args)
 
@@ -297,20 +308,24 @@ def cases_roi_align(ctx: Context) -> list[Case]:
         return jax.jit(run)
 
     jk_fwd, gather_fwd = jax.jit(jk_op(True)), jax.jit(gather_op)
+    jk_fwd_last = jax.jit(jk_op(True, "NHWC"))
     jk_both, jk_both_atomic = fwd_bwd(jk_op(True)), fwd_bwd(jk_op(False))
+    jk_both_last = fwd_bwd(jk_op(True, "NHWC"))
     gather_both = fwd_bwd(gather_op)
     output_bytes = 4 * k * c * bins * bins
     touched_bytes = 4 * c * _roi_touched_cells(boxes_np, n, h, w, bins, scale, grid)
     forward_bytes = boxes_np.nbytes + touched_bytes + output_bytes
     # The backward also reads dout and writes the whole input gradient.
     both_bytes = forward_bytes + output_bytes + 4 * n * c * h * w
-    name = f"roi_align N{n} C{c} {h}x{w}, {k} boxes, 7x7 sr2 scale 1/4"
+    name = f"roi_align N{n} C{c} {h}x{w}, {k} boxes, {bins}x{bins} sr2 scale 1/4"
     fwd = Case(f"{name} fwd", forward_bytes, [
         Contender("jax_kernels", lambda: jk_fwd(x, boxes)),
+        Contender("jk NHWC", lambda: jk_fwd_last(x_last, boxes)),
         Contender("jnp gather", lambda: gather_fwd(x, boxes)),
     ])
     both = Case(f"{name} fwd+bwd", both_bytes, [
         Contender("jax_kernels", lambda: jk_both(x, boxes, dout)),
+        Contender("jk NHWC", lambda: jk_both_last(x_last, boxes, dout_last)),
         Contender("jk atomic", lambda: jk_both_atomic(x, boxes, dout)),
         Contender("jnp gather", lambda: gather_both(x, boxes, dout)),
     ])
@@ -364,64 +379,82 @@ def _smooth_grid(ctx: Context, n: int, ho: int, wo: int) -> np.ndarray:
 
 
 def cases_grid_sample(ctx: Context) -> list[Case]:
+    """Bilinear, zeros, f32: the forward and forward+backward on a smooth grid (the warp of
+    augmentation) and on uniformly random coordinates (every tap its own sector), in NCHW and
+    channels last, against the jnp gather and torch."""
     if ctx.platform == "gpu":
-        shapes = [(32, 64, 64, 64), (8, 256, 128, 128)]
+        shapes = [(32, 64, 64, 64), (8, 256, 128, 128), (4, 32, 512, 512), (64, 3, 224, 224)]
     else:
         shapes = [(8, 32, 64, 64)] if not ctx.quick else [(2, 8, 32, 32)]
     cases = []
     for n, c, h, w in shapes:
-        x = _jnp_random(ctx, (n, c, h, w))
-        grid = jnp.asarray(_smooth_grid(ctx, n, h, w))
-        dout = _jnp_random(ctx, (n, c, h, w), seed=3)
-        tensor, grid_bytes = 4 * n * c * h * w, 4 * n * h * w * 2
-        label = f"N{n} C{c} {h}x{w}->{h}x{w} f32"
-
-        def fwd_and_bwd(f):
-            def run(x, grid, dout):
-                out, vjp = jax.vjp(f, x, grid)
-                return (out,) + vjp(dout)
-            return jax.jit(run)
-
-        jk_fwd = jax.jit(jk.grid_sample)
-        jnp_fwd = jax.jit(jnp_grid_sample_bilinear)
-        jk_both = fwd_and_bwd(jk.grid_sample)
-        jk_both_atomic = fwd_and_bwd(lambda a, b: jk.grid_sample(a, b, deterministic=False))
-        jnp_both = fwd_and_bwd(jnp_grid_sample_bilinear)
-        fwd = Case(f"grid_sample fwd {label}", 2 * tensor + grid_bytes, [
-            Contender("jax_kernels", lambda x=x, g=grid: jk_fwd(x, g)),
-            Contender("jnp gather", lambda x=x, g=grid: jnp_fwd(x, g)),
-        ])
-        # fwd+bwd reads input, grid, dout and writes out, d_input, d_grid.
-        both = Case(f"grid_sample fwd+bwd {label}", 4 * tensor + 2 * grid_bytes, [
-            Contender("jax_kernels", lambda x=x, g=grid, d=dout: jk_both(x, g, d)),
-            Contender("jk atomic", lambda x=x, g=grid, d=dout: jk_both_atomic(x, g, d)),
-            Contender("jnp gather", lambda x=x, g=grid, d=dout: jnp_both(x, g, d)),
-        ])
-        # Ten forwards on ten grids inside one jit: the per-call time without JAX's dispatch
-        # cost (distinct grids, so that XLA cannot merge the calls).
-        grids = [grid * (1.0 - 0.01 * i) for i in range(10)]
-        jk_ten = jax.jit(lambda x, gs: [jk.grid_sample(x, g) for g in gs])
-        jnp_ten = jax.jit(lambda x, gs: [jnp_grid_sample_bilinear(x, g) for g in gs])
-        ten = Case(f"grid_sample fwd {label}, 10 calls in one jit", 2 * tensor + grid_bytes, [
-            Contender("jax_kernels", lambda x=x, gs=grids: jk_ten(x, gs)),
-            Contender("jnp gather", lambda x=x, gs=grids: jnp_ten(x, gs)),
-        ], calls=10)
-        if ctx.torch_device is not None:
-            tx = _to_torch(ctx, x).requires_grad_(True)
-            tg = _to_torch(ctx, grid).requires_grad_(True)
-            td = _to_torch(ctx, dout)
-            sample = torch.nn.functional.grid_sample
-
-            def torch_both(tx=tx, tg=tg, td=td):
-                out = sample(tx, tg, align_corners=False)
-                return (out,) + torch.autograd.grad(out, (tx, tg), td)
-
-            fwd.contenders.append(Contender(
-                "torch", lambda tx=tx, tg=tg: sample(tx.detach(), tg.detach(), align_corners=False),
-                "torch"))
-            both.contenders.append(Contender("torch", torch_both, "torch"))
-        cases += [fwd, ten, both]
+        for kind in ("smooth", "random"):
+            cases += _grid_sample_cases(ctx, n, c, h, w, kind)
     return cases
+
+
+def _grid_sample_cases(ctx, n, c, h, w, kind):
+    x = _jnp_random(ctx, (n, c, h, w))
+    x_last = jnp.transpose(x, (0, 2, 3, 1))
+    if kind == "smooth":
+        grid = jnp.asarray(_smooth_grid(ctx, n, h, w))
+    else:
+        grid = jnp.asarray(ctx.rng(11).uniform(-1, 1, size=(n, h, w, 2)).astype(np.float32))
+    dout = _jnp_random(ctx, (n, c, h, w), seed=3)
+    dout_last = jnp.transpose(dout, (0, 2, 3, 1))
+    tensor, grid_bytes = 4 * n * c * h * w, 4 * n * h * w * 2
+    label = f"N{n} C{c} {h}x{w}->{h}x{w} f32 {kind} grid"
+
+    def fwd_and_bwd(f):
+        def run(x, grid, dout):
+            out, vjp = jax.vjp(f, x, grid)
+            return (out,) + vjp(dout)
+        return jax.jit(run)
+
+    nhwc = lambda a, b: jk.grid_sample(a, b, data_format="NHWC")
+    jk_fwd, jk_fwd_last = jax.jit(jk.grid_sample), jax.jit(nhwc)
+    jnp_fwd = jax.jit(jnp_grid_sample_bilinear)
+    jk_both, jk_both_last = fwd_and_bwd(jk.grid_sample), fwd_and_bwd(nhwc)
+    jk_both_atomic = fwd_and_bwd(lambda a, b: jk.grid_sample(a, b, deterministic=False))
+    jnp_both = fwd_and_bwd(jnp_grid_sample_bilinear)
+    fwd = Case(f"grid_sample fwd {label}", 2 * tensor + grid_bytes, [
+        Contender("jax_kernels", lambda x=x, g=grid: jk_fwd(x, g)),
+        Contender("jk NHWC", lambda x=x_last, g=grid: jk_fwd_last(x, g)),
+        Contender("jnp gather", lambda x=x, g=grid: jnp_fwd(x, g)),
+    ])
+    # fwd+bwd reads input, grid, dout and writes out, d_input, d_grid.
+    both = Case(f"grid_sample fwd+bwd {label}", 4 * tensor + 2 * grid_bytes, [
+        Contender("jax_kernels", lambda x=x, g=grid, d=dout: jk_both(x, g, d)),
+        Contender("jk NHWC", lambda x=x_last, g=grid, d=dout_last: jk_both_last(x, g, d)),
+        Contender("jk atomic", lambda x=x, g=grid, d=dout: jk_both_atomic(x, g, d)),
+        Contender("jnp gather", lambda x=x, g=grid, d=dout: jnp_both(x, g, d)),
+    ])
+    # Ten forwards on ten grids inside one jit: the per-call time without JAX's dispatch
+    # cost (distinct grids, so that XLA cannot merge the calls).
+    grids = [grid * (1.0 - 0.01 * i) for i in range(10)]
+    jk_ten = jax.jit(lambda x, gs: [jk.grid_sample(x, g) for g in gs])
+    jk_ten_last = jax.jit(lambda x, gs: [nhwc(x, g) for g in gs])
+    jnp_ten = jax.jit(lambda x, gs: [jnp_grid_sample_bilinear(x, g) for g in gs])
+    ten = Case(f"grid_sample fwd {label}, 10 calls in one jit", 2 * tensor + grid_bytes, [
+        Contender("jax_kernels", lambda x=x, gs=grids: jk_ten(x, gs)),
+        Contender("jk NHWC", lambda x=x_last, gs=grids: jk_ten_last(x, gs)),
+        Contender("jnp gather", lambda x=x, gs=grids: jnp_ten(x, gs)),
+    ], calls=10)
+    if ctx.torch_device is not None:
+        tx = _to_torch(ctx, x).requires_grad_(True)
+        tg = _to_torch(ctx, grid).requires_grad_(True)
+        td = _to_torch(ctx, dout)
+        sample = torch.nn.functional.grid_sample
+
+        def torch_both(tx=tx, tg=tg, td=td):
+            out = sample(tx, tg, align_corners=False)
+            return (out,) + torch.autograd.grad(out, (tx, tg), td)
+
+        fwd.contenders.append(Contender(
+            "torch", lambda tx=tx, tg=tg: sample(tx.detach(), tg.detach(), align_corners=False),
+            "torch"))
+        both.contenders.append(Contender("torch", torch_both, "torch"))
+    return [fwd, ten, both]
 
 
 def cases_conv2d(ctx: Context) -> list[Case]:

@@ -52,8 +52,9 @@ def test_capabilities_table():
 
 def test_enum_codes_come_from_the_native_module():
     assert set(_ffi.ENUMS) == {"GridSampleMode", "GridSamplePadding", "ConvPass", "ConvPrecision",
-                               "ConvDtype"}
+                               "ConvDtype", "ConvLayout"}
     assert _ffi.ENUMS["ConvDtype"] == {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
+    assert _ffi.ENUMS["ConvLayout"] == {"NCHW": 0, "NHWC": 1}
     # grid_sample's codes are torch's (ATen's GridSamplerInterpolation / GridSamplerPadding).
     if torch is None:
         pytest.skip(TORCH_UNAVAILABLE)
