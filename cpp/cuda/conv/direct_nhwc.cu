@@ -9,7 +9,8 @@
 // - Forward and dgrad: a thread per 4 consecutive output columns of a channel, the stencil of
 //   conv.h (StencilAxis, StencilWeights over the HWIO strides), summed over (input channel, row
 //   tap, column tap) in that order; without divisions in the tap loops where nothing is
-//   upsampled (the forward and unit-stride dgrad).
+//   upsampled (the forward and unit-stride dgrad). Depthwise rows of unit column stride load
+//   each input row segment once into registers for 8 outputs and every column tap.
 // - Wgrad: the N*P*Q reduction is cut into slices fixed by the shapes (never by the device); a
 //   thread sums one weight element over one slice into the scratch buffer, and a second kernel
 //   adds the slices in order. No atomics: bitwise reproducible on every GPU.
@@ -79,6 +80,71 @@ __global__ void __launch_bounds__(kThreads)
     T* dst = out + s.out_at.at(n, oc, y, x0);
 #pragma unroll
     for (int j = 0; j < kColumns; ++j)
+      if (j < columns) dst[j * s.out_at.d] = from_acc<T>(sum[j]);
+  }
+}
+
+// Depthwise rows (one input channel per group, nothing upsampled, unit column stride and
+// dilation, at most kMaxTaps column taps): a thread computes kRowColumns consecutive outputs of
+// one (n, y, channel) and loads each input row segment they need once into registers (kRowColumns
+// + taps - 1 values instead of kRowColumns * taps), padding included as zeros, as the NCHW tile
+// kernels do. Sums over (row tap, column tap) in order.
+constexpr int kRowColumns = 8;
+constexpr int kMaxTaps = 9;
+
+bool depthwise_rows(const NhwcStencil& s) {
+  return s.in_per_group == 1 && s.rows.upsample == 1 && s.cols.upsample == 1 &&
+         s.cols.stride == 1 && s.cols.dilation == 1 && s.cols.taps <= kMaxTaps;
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    depthwise_rows_nhwc_kernel(const T* __restrict__ source, const T* __restrict__ weight,
+                               const T* __restrict__ bias, T* __restrict__ out, NhwcStencil s) {
+  using A = acc_t<T>;
+  const int64_t channels = s.groups * s.out_per_group;
+  const int64_t column_blocks = ceil_div(s.cols.out, kRowColumns);
+  const int64_t total = s.N * s.rows.out * column_blocks * channels;
+  const int taps = int(s.cols.taps);
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t oc = idx % channels;
+    int64_t rest = idx / channels;
+    const int64_t x0 = rest % column_blocks * kRowColumns;
+    rest /= column_blocks;
+    const int64_t y = rest % s.rows.out;
+    const int64_t n = rest / s.rows.out;
+    const int64_t g = oc / s.out_per_group, o = oc % s.out_per_group;
+    A sum[kRowColumns];
+    const A start = bias != nullptr ? to_acc(bias[oc]) : A(0);
+#pragma unroll
+    for (int j = 0; j < kRowColumns; ++j) sum[j] = start;
+    const T* src = source + s.source_at.at(n, g, 0, 0);
+    const int64_t first = s.cols.position(x0, 0);  // the segment's first source column
+    for (int64_t ty = 0; ty < s.rows.taps; ++ty) {
+      const int64_t sy = s.rows.position(y, ty);
+      if (sy < 0 || sy >= s.rows.source) continue;
+      const T* row = src + sy * s.source_at.c;
+      A window[kRowColumns + kMaxTaps - 1];
+#pragma unroll
+      for (int k = 0; k < kRowColumns + kMaxTaps - 1; ++k) {
+        const int64_t sx = first + k;
+        window[k] = k < kRowColumns + taps - 1 && sx >= 0 && sx < s.cols.source
+                        ? to_acc(row[sx * s.source_at.d])
+                        : A(0);
+      }
+#pragma unroll
+      for (int tx = 0; tx < kMaxTaps; ++tx) {
+        if (tx >= taps) break;
+        const A w = to_acc(weight[s.weights.offset(g, o, 0, ty, tx)]);
+#pragma unroll
+        for (int j = 0; j < kRowColumns; ++j) sum[j] += w * window[j + tx];
+      }
+    }
+    const int columns = int(min(int64_t(kRowColumns), s.cols.out - x0));
+    T* dst = out + s.out_at.at(n, oc, y, x0);
+#pragma unroll
+    for (int j = 0; j < kRowColumns; ++j)
       if (j < columns) dst[j * s.out_at.d] = from_acc<T>(sum[j]);
   }
 }
@@ -216,9 +282,17 @@ NhwcStencil backward_data_nhwc(const ConvProblem& p) {
 template <class T>
 ffi::Error run_stencil_nhwc(cudaStream_t stream, const char* op, const T* source, const T* weight,
                             const T* bias, T* out, const NhwcStencil& s) {
+  if (s.N * s.rows.out * s.cols.out * s.groups * s.out_per_group == 0)
+    return ffi::Error::Success();
+  if (depthwise_rows(s)) {
+    const int64_t items =
+        s.N * s.rows.out * ceil_div(s.cols.out, kRowColumns) * s.groups * s.out_per_group;
+    depthwise_rows_nhwc_kernel<T><<<grid_blocks(items, kThreads), kThreads, 0, stream>>>(
+        source, weight, bias, out, s);
+    return launch_status(op);
+  }
   const int64_t total =
       s.N * s.rows.out * ceil_div(s.cols.out, kColumns) * s.groups * s.out_per_group;
-  if (total == 0) return ffi::Error::Success();
   const unsigned blocks = grid_blocks(total, kThreads);
   if (s.rows.upsample == 1 && s.cols.upsample == 1)
     stencil_nhwc_kernel<T, true><<<blocks, kThreads, 0, stream>>>(source, weight, bias, out, s);
