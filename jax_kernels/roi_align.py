@@ -37,7 +37,8 @@ from ._checks import as_array, check_bool, check_float_dtypes
 from ._primitive import Kernel, add, aval, is_linear, is_zero, replaced, without
 
 _MAX_BATCH_TERMS = 8  # kRoiAlignMaxBatchTerms in roi_align.h
-_MAX_SAMPLING_RATIO = 1 << 20  # kRoiAlignMaxAdaptiveGrid
+# kRoiAlignMaxFixedGrid: a fixed grid costs PH * PW * sampling_ratio^2 samples per box and channel.
+_MAX_SAMPLING_RATIO = 64
 # Largest batch index a list of boxes may need, per dtype: consecutive integers stay exact below.
 _EXACT_INTEGERS = {np.dtype(jnp.float16): 2048, np.dtype(jnp.bfloat16): 256}
 
@@ -82,8 +83,10 @@ def roi_align(input: Any, boxes: Any, output_size: int | Sequence[int], spatial_
         ``(x1, y1, x2, y2)``, one per image; same dtype as ``input``.
       output_size: ``h`` or ``(h, w)``: bins per box.
       spatial_scale: maps box coordinates to input pixels.
-      sampling_ratio: samples per bin along each axis; ``<= 0`` means ``ceil(box size / bins)``
-        per box (at most 2^20; only samples that can lie inside the input are visited).
+      sampling_ratio: samples per bin along each axis, at most 64 (a fixed grid costs
+        ``PH * PW * sampling_ratio**2`` samples per box; torchvision has no cap); ``<= 0`` means
+        ``ceil(box size / bins)`` per box (at most 2^20; only samples that can lie inside the
+        input are visited, so an adaptive grid costs at most about ``4 H W`` samples per box).
       aligned: shift the box by -0.5 pixel; when False, box sizes are raised to at least 1.
       deterministic: make the CUDA input gradient bitwise reproducible (the default); False
         allows atomics for float32 and float64. The CPU is always deterministic.
@@ -182,7 +185,10 @@ def _sampling_ratio(sampling_ratio: Any) -> int:
         raise TypeError(
             f"roi_align(): sampling_ratio must be an int, got {sampling_ratio!r}") from None
     if ratio > _MAX_SAMPLING_RATIO:
-        raise ValueError(f"roi_align(): sampling_ratio must be at most 2^20, got {ratio}")
+        raise ValueError(
+            f"roi_align(): sampling_ratio must be at most {_MAX_SAMPLING_RATIO}, got {ratio}: a "
+            "fixed grid costs output_size^2 * sampling_ratio^2 samples per box and channel "
+            "(sampling_ratio=0 adapts the grid to each box)")
     return ratio
 
 

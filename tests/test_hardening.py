@@ -165,3 +165,89 @@ def test_conv2d_random_geometries():
         assert all(e <= 1e-12 for e in result["errors"]), (problem, result)
 
     check()
+
+
+def roi_align_separable_reference(image, box, output_size, sampling_ratio):
+    """torchvision's RoIAlign of one box (aligned=False, spatial_scale 1) on one float64 image
+    [C, H, W], written separably: the mean over a bin's sample grid of bilinear samples is
+    Wy @ image @ Wx.T, with Wy[ph, h] the summed row weights of bin ph's samples (0 for samples
+    outside [-1, H]) over the count. Returns (output [C, PH, PW], Wy, Wx)."""
+    def axis_weights(first, second, bins, size):
+        extent = max(second - first, 1.0)
+        t = np.arange(bins * sampling_ratio)
+        pos = first + (t // sampling_ratio) * (extent / bins) + \
+            ((t % sampling_ratio) + 0.5) * (extent / bins) / sampling_ratio
+        valid = (pos >= -1) & (pos <= size)
+        p = np.clip(pos, 0, None)
+        low = np.floor(p).astype(np.int64)
+        at_end = low >= size - 1
+        low = np.where(at_end, size - 1, low)
+        high = np.where(at_end, size - 1, low + 1)
+        p = np.where(at_end, low, p)
+        w_high = p - low
+        weights = np.zeros((bins, size))
+        np.add.at(weights, (t // sampling_ratio, low), np.where(valid, 1 - w_high, 0))
+        np.add.at(weights, (t // sampling_ratio, high), np.where(valid, w_high, 0))
+        return weights
+
+    _, h, w = image.shape
+    _, x1, y1, x2, y2 = box
+    wy = axis_weights(y1, y2, output_size, h) / sampling_ratio ** 2
+    wx = axis_weights(x1, x2, output_size, w)
+    return np.einsum("ph,chw,qw->cpq", wy, image, wx), wy, wx
+
+
+def test_roi_align_fixed_grid_is_bounded():
+    """A fixed sampling_ratio costs PH * PW * sampling_ratio^2 samples per box: the old cap of
+    2^20 bounded nothing (one small box ran for hours on the CPU). Above 64 it is refused at
+    trace time, naming the op; at 64 every pass of a small box and of one covering the image
+    takes seconds and equals the separable float64 reference (input gradient: its transpose;
+    box gradient: central differences of it)."""
+    refused = run_isolated("""
+import jax, jax.numpy as jnp, jax_kernels as jk
+result['errors'] = []
+for ratio in (65, 1 << 20):
+    try:
+        jax.eval_shape(lambda: jk.roi_align(jnp.ones((1, 1, 4, 4)), jnp.zeros((1, 5)), 7,
+                                            sampling_ratio=ratio))
+        result['errors'].append(None)
+    except ValueError as e:
+        result['errors'].append(str(e))
+""")
+    assert all(e and e.startswith("roi_align(): sampling_ratio must be at most 64") for e in
+               refused["errors"]), refused
+
+    result = run_isolated("""
+import time
+import jax, jax.numpy as jnp, jax_kernels as jk
+import numpy as np
+start = time.perf_counter()
+x = jax.random.normal(jax.random.key(0), (1, 3, 24, 20), jnp.float64)
+boxes = jnp.asarray([[0, 3.3, 4.1, 5.2, 6.9], [0, -2.5, -1.5, 21.5, 25.5]], jnp.float64)
+dout = jax.random.normal(jax.random.key(1), (2, 3, 7, 7), jnp.float64)
+op = lambda x, b: jk.roi_align(x, b, 7, 1.0, 64, False)
+out, vjp = jax.vjp(op, x, boxes)
+d_input, d_boxes = vjp(dout)
+jax.block_until_ready((out, d_input, d_boxes))
+result['seconds'] = time.perf_counter() - start
+for name, value in (('x', x), ('boxes', boxes), ('dout', dout), ('out', out),
+                    ('d_input', d_input), ('d_boxes', d_boxes)):
+    result[name] = np.asarray(value).tolist()
+""", timeout=300)
+    assert result["seconds"] < 60, result["seconds"]
+    x, boxes = np.asarray(result["x"])[0], np.asarray(result["boxes"])
+    dout = np.asarray(result["dout"])
+    d_input_ref = np.zeros_like(x)
+    for k, box in enumerate(boxes):
+        out_ref, wy, wx = roi_align_separable_reference(x, box, 7, 64)
+        np.testing.assert_allclose(result["out"][k], out_ref, rtol=1e-10, atol=1e-12)
+        d_input_ref += np.einsum("ph,cpq,qw->chw", wy, dout[k], wx)
+        for j in range(1, 5):  # box gradient: the separable reference's central differences
+            step = np.zeros(5)
+            step[j] = 1e-6
+            plus = roi_align_separable_reference(x, box + step, 7, 64)[0]
+            minus = roi_align_separable_reference(x, box - step, 7, 64)[0]
+            fd = np.sum(dout[k] * (plus - minus)) / 2e-6
+            assert abs(result["d_boxes"][k][j] - fd) <= 1e-5 * max(1.0, abs(fd)), (k, j, fd)
+        assert result["d_boxes"][k][0] == 0
+    np.testing.assert_allclose(result["d_input"][0], d_input_ref, rtol=1e-10, atol=1e-12)

@@ -33,6 +33,12 @@ namespace jax_kernels {
 // (2 H + 3 PH + 9) x (2 W + 3 PW + 9) samples.
 constexpr int64_t kRoiAlignMaxAdaptiveGrid = int64_t(1) << 20;
 
+// Upper bound of a fixed sample grid (sampling_ratio > 0) per axis and bin. A fixed grid costs
+// PH x PW x sampling_ratio^2 samples per box and channel wherever the box lies, so the bound is
+// what keeps the cost of an option number in proportion to the tensors (4096 samples per bin at
+// most, about what an adaptive grid spends on bins of 64 x 64 pixels).
+constexpr int64_t kRoiAlignMaxFixedGrid = 64;
+
 // How boxes map to images. Unbatched, box k reads image `batch_index` (an integer in [0, images)).
 // Each vmap that the Python folds into the input's N axis adds a term: box k then reads image
 //   batch_index + sum over terms of ((k / divisor) % modulus) * stride,
@@ -759,7 +765,7 @@ ffi::Error roi_align_problem(const char* op, const RoiAlignAttrs& attrs,
                         : "output (or its gradient) is not [K, C, PH, PW]");
   if (input.element_type() != boxes.element_type() || binned.element_type() != boxes.element_type())
     return invalid("operands differ in element type");
-  if (attrs.sampling_ratio > kRoiAlignMaxAdaptiveGrid) return invalid("sampling_ratio above 2^20");
+  if (attrs.sampling_ratio > kRoiAlignMaxFixedGrid) return invalid("sampling_ratio above 64");
   RoiAlignBatching batching;
   batching.images = attrs.batch_images;
   const int64_t values = int64_t(attrs.batch_terms.size());
