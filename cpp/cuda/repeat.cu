@@ -226,7 +226,8 @@ ffi::Error repeat_backward(cudaStream_t stream, ffi::AnyBuffer dout,
     using T = typename decltype(tag)::type;
     const T* in = static_cast<const T*>(dout.untyped_data());
     T* result = static_cast<T*>(dx->untyped_data());
-    const int64_t sms = multiprocessor_count();
+    // The lanes per element decide how the copies are added: fixed, not the device's count.
+    const int64_t sms = kReductionMultiprocessors;
     const size_t table_bytes = g.copies <= kCopyTable ? g.copies * sizeof(int64_t) : 0;
     if (g.copies == 0) {
       fill_zero_kernel<T><<<grid_blocks(g.x_count, kThreads), kThreads, 0, stream>>>(result, g.x_count);

@@ -10,6 +10,13 @@
 
 namespace jax_kernels {
 
+// The multiprocessor count that launch choices which fix an order of floating-point additions
+// (how a reduction is split across threads) are made for, whatever the device: the H100's and
+// H200's. Launch shapes that only spread independent items take multiprocessor_count() below;
+// those that decide which partial sums exist take this constant, so that the bits of every
+// deterministic pass are the same on every GPU model, not only run to run on one device.
+constexpr int kReductionMultiprocessors = 132;
+
 inline int multiprocessor_count() {
   static std::atomic<int> counts[64];
   int device = 0;

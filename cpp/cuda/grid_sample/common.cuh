@@ -51,7 +51,9 @@ inline PointLaunch launch_over_points(int64_t points, int64_t channels,
     const int per_block = kThreads / slices;
     return PointLaunch{dim3(grid_blocks(points, per_block)), dim3(slices, per_block)};
   }
-  const int64_t resident = int64_t(multiprocessor_count()) * 2048;
+  // The channel slices of a point are added in a fixed order (d_grid): their count must not
+  // follow the device's multiprocessor count.
+  const int64_t resident = int64_t(kReductionMultiprocessors) * 2048;
   while (slices < kMaxSlices && points * slices < resident && channels >= 32 * slices) slices *= 2;
   const int per_block = kThreads / slices;
   return PointLaunch{dim3(grid_blocks(points, per_block)), dim3(per_block, slices)};
