@@ -9,6 +9,9 @@ from . import _ffi
 _DTYPES = (("float16", "float32"), ("bfloat16", "float32"), ("float32", "float32"),
            ("float64", "float64"))
 _ATOMICS_IF_ASKED = "bitwise (deterministic=True); atomics otherwise for float32/float64"
+# What the half-type rows of such a pass say: the op takes the ordered path for them whatever
+# the flag (they have no fast atomics and accumulate in float32).
+_HALF_TYPES_ORDERED = "bitwise (half types always take the ordered path)"
 
 
 class Capability(NamedTuple):
@@ -74,7 +77,9 @@ def capabilities(full: bool = False) -> Capabilities:
     for platform, records in _ffi.records().items():
         for target, op, pass_, backend, determinism in sorted(records, key=lambda r: (r[1], r[0])):
             for dtype, accumulator in _DTYPES:
-                table.append(Capability(op, pass_, dtype, platform, determinism, accumulator,
+                row_determinism = (_HALF_TYPES_ORDERED if determinism == _ATOMICS_IF_ASKED and
+                                   accumulator != dtype else determinism)
+                table.append(Capability(op, pass_, dtype, platform, row_determinism, accumulator,
                                         backend, target))
     return table
 

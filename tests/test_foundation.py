@@ -50,6 +50,27 @@ def test_capabilities_table():
     assert len(full) == len(table) + 2
 
 
+def test_capabilities_half_types_never_list_atomics(monkeypatch):
+    """A pass that may take atomics with deterministic=False (the CUDA input gradients of
+    grid_sample and roi_align) does so only for float32/float64: its half-type rows say they are
+    always ordered. The records are the CUDA module's where it is built, else a stand-in row
+    with its determinism text (the CPU registers no such pass)."""
+    records = _ffi.records()
+    if "cuda" not in records:
+        atomic = ("jk_roi_align_bwd_input_v1", "roi_align", "backward d_input", "cuda sort",
+                  "bitwise (deterministic=True); atomics otherwise for float32/float64")
+        monkeypatch.setattr(_ffi, "records", lambda: {**records, "cuda": [atomic]})
+    rows = [r for r in jk.capabilities() if r.platform == "cuda" and
+            r.op in ("grid_sample", "roi_align") and r.pass_.startswith("backward d_input") and
+            "directional" not in r.pass_]
+    assert rows
+    for r in rows:
+        if r.dtype in ("float16", "bfloat16"):
+            assert "atomics" not in r.deterministic and r.deterministic.startswith("bitwise"), r
+        else:
+            assert "atomics otherwise for float32/float64" in r.deterministic, r
+
+
 def test_enum_codes_come_from_the_native_module():
     assert set(_ffi.ENUMS) == {"GridSampleMode", "GridSamplePadding", "ConvPass", "ConvPrecision",
                                "ConvDtype", "ConvLayout"}
