@@ -13,7 +13,9 @@
 //   each input row segment once into registers for 8 outputs and every column tap.
 // - Wgrad: the N*P*Q reduction is cut into slices fixed by the shapes (never by the device); a
 //   thread sums one weight element over one slice into the scratch buffer, and a second kernel
-//   adds the slices in order. No atomics: bitwise reproducible on every GPU.
+//   adds the slices in order. Depthwise rows (unit column stride and dilation) cut the N*P output
+//   rows instead, and a thread sums a whole row of taps of one filter from register windows of
+//   dy and x. No atomics: bitwise reproducible on every GPU.
 // - Bias gradient: a block per 32 filters (x batch), 32 row groups summed in a fixed order.
 // Indices are 64-bit throughout (grid-stride loops over int64 counts).
 #include <algorithm>
@@ -149,19 +151,32 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The slices of the wgrad reduction: at least 64 output positions each, about 2^20 threads in
-// all, and at most 2^24 partial sums (bounds the scratch).
+// Depthwise rows of the wgrad (one input channel per group, unit column stride and dilation, at
+// most kMaxTaps column taps): see wgrad_rows_nhwc_kernel.
+bool depthwise_rows_wgrad(const ConvProblem& p) {
+  return p.channels_per_group() == 1 && p.stride_w == 1 && p.dilation_w == 1 &&
+         p.S <= kMaxTaps;
+}
+
+// The slices of the wgrad reduction, fixed by the shapes (never by the device). The general
+// kernel cuts the N*P*Q output positions (`positions`) into slices of at least 64, about 2^20
+// threads in all; the depthwise rows kernel cuts the N*P output rows into slices of at least 2
+// rows, about 2^18 threads (a thread per (slice, tap row, filter)). Both keep at most 2^24
+// partial sums (bounds the scratch): partial[slice][e], e the HWIO weight element.
 struct WgradSlices {
   int64_t weights, positions, per_slice, slices;
+  bool rows;  // the depthwise rows kernel: positions are output rows (n, y)
 };
 
 WgradSlices wgrad_slices(const ConvProblem& p) {
   WgradSlices w{};
   w.weights = p.K * p.channels_per_group() * p.R * p.S;
-  w.positions = p.N * p.P * p.Q;
-  if (w.weights <= 0 || w.positions <= 0) return w;
-  int64_t slices = std::max<int64_t>(1, (int64_t(1) << 20) / w.weights);
-  slices = std::min(slices, std::max<int64_t>(1, ceil_div(w.positions, 64)));
+  w.rows = depthwise_rows_wgrad(p);
+  w.positions = w.rows ? p.N * p.P : p.N * p.P * p.Q;
+  if (w.weights <= 0 || w.positions <= 0 || p.Q <= 0) return w;
+  const int64_t threads_per_slice = w.rows ? p.R * p.K : w.weights;
+  int64_t slices = std::max<int64_t>(1, (int64_t(1) << (w.rows ? 18 : 20)) / threads_per_slice);
+  slices = std::min(slices, std::max<int64_t>(1, ceil_div(w.positions, w.rows ? 2 : 64)));
   slices = std::min(slices, std::max<int64_t>(1, (int64_t(1) << 24) / w.weights));
   w.per_slice = ceil_div(w.positions, slices);
   w.slices = ceil_div(w.positions, w.per_slice);
@@ -204,6 +219,72 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     partial[idx] = sum;
+  }
+}
+
+// Thread (slice, r, k) sums row r of filter k's taps, dw[r, s, 0, k] for every s, over the
+// output rows (n, y) of its slice: for kWgradColumns consecutive outputs at a time it loads their
+// dy values and the input row segment they meet (kWgradColumns + S - 1 values, zeros outside)
+// once into registers and adds every column tap's products (S * kWgradColumns products for
+// 2 * kWgradColumns + S - 1 loads). Consecutive threads take consecutive
+// filters, so every load of a warp is one run of channels. Sums over the slice's rows, then
+// column blocks, then columns, in order.
+constexpr int kWgradColumns = 16;
+
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    wgrad_rows_nhwc_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                           acc_t<T>* __restrict__ partial, ConvProblem p, WgradSlices w) {
+  using A = acc_t<T>;
+  const TensorStrides xs = p.input_strides(), ys = p.output_strides();
+  const int64_t Kg = p.filters_per_group();
+  const int taps = int(p.S);
+  const int64_t total = w.slices * p.R * p.K;
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t k = idx % p.K;
+    const int64_t r = idx / p.K % p.R;
+    const int64_t slice = idx / (p.K * p.R);
+    const int64_t first = slice * w.per_slice;
+    const int64_t last = std::min(first + w.per_slice, w.positions);
+    A sum[kMaxTaps];
+#pragma unroll
+    for (int t = 0; t < kMaxTaps; ++t) sum[t] = A(0);
+    const T* dy_k = dy + k * ys.b;
+    const T* x_g = x + (k / Kg) * xs.b;
+    for (int64_t row = first; row < last; ++row) {
+      const int64_t n = row / p.P, y = row % p.P;
+      const int64_t iy = p.input_row(y, r);
+      if (iy < 0 || iy >= p.H) continue;
+      const T* dy_row = dy_k + n * ys.a + y * ys.c;
+      const T* x_row = x_g + n * xs.a + iy * xs.c;
+      for (int64_t q0 = 0; q0 < p.Q; q0 += kWgradColumns) {
+        A grad[kWgradColumns];
+#pragma unroll
+        for (int j = 0; j < kWgradColumns; ++j)
+          grad[j] = q0 + j < p.Q ? to_acc(dy_row[(q0 + j) * ys.d]) : A(0);
+        const int64_t ix0 = p.input_col(q0, 0);  // the segment's first input column
+        A window[kWgradColumns + kMaxTaps - 1];
+#pragma unroll
+        for (int j = 0; j < kWgradColumns + kMaxTaps - 1; ++j) {
+          const int64_t ix = ix0 + j;
+          window[j] = j < kWgradColumns + taps - 1 && ix >= 0 && ix < p.W
+                          ? to_acc(x_row[ix * xs.d])
+                          : A(0);
+        }
+#pragma unroll
+        for (int t = 0; t < kMaxTaps; ++t) {
+          if (t >= taps) break;
+#pragma unroll
+          for (int j = 0; j < kWgradColumns; ++j) sum[t] += grad[j] * window[j + t];
+        }
+      }
+    }
+    // HWIO element (r, t, 0, k): ((r * S + t) * Cg + 0) * K + k with Cg = 1.
+    acc_t<T>* out = partial + slice * w.weights + r * p.S * p.K + k;
+#pragma unroll
+    for (int t = 0; t < kMaxTaps; ++t)
+      if (t < taps) out[t * p.K] = sum[t];
   }
 }
 
@@ -322,8 +403,12 @@ ffi::Error run_wgrad_nhwc(cudaStream_t stream, const T* dy, const T* x, T* dw,
   if (scratch_bytes < wgrad_nhwc_scratch_bytes<T>(p) || scratch == nullptr)
     return ffi::Error::InvalidArgument("conv2d wgrad: scratch buffer too small");
   auto* partial = reinterpret_cast<acc_t<T>*>(aligned_scratch(scratch));
-  wgrad_nhwc_partial_kernel<T><<<grid_blocks(w.slices * w.weights, kThreads), kThreads, 0,
-                                 stream>>>(dy, x, partial, p, w);
+  if (w.rows)
+    wgrad_rows_nhwc_kernel<T><<<grid_blocks(w.slices * p.R * p.K, kThreads), kThreads, 0,
+                                stream>>>(dy, x, partial, p, w);
+  else
+    wgrad_nhwc_partial_kernel<T><<<grid_blocks(w.slices * w.weights, kThreads), kThreads, 0,
+                                   stream>>>(dy, x, partial, p, w);
   if (ffi::Error e = launch_status("conv2d wgrad"); e.failure()) return e;
   wgrad_nhwc_reduce_kernel<T><<<grid_blocks(w.weights, kThreads), kThreads, 0, stream>>>(
       partial, dw, p, w);
