@@ -10,7 +10,9 @@
 //   conv.h (StencilAxis, StencilWeights over the HWIO strides), summed over (input channel, row
 //   tap, column tap) in that order; without divisions in the tap loops where nothing is
 //   upsampled (the forward and unit-stride dgrad). Depthwise rows of unit column stride load
-//   each input row segment once into registers for 8 outputs and every column tap.
+//   each input row segment once into registers for 8 outputs and every column tap; with unit
+//   row stride and 3x3, 5x5 or 7x7 taps, for a block of 4 x 8 outputs and every tap, the
+//   weights in registers.
 // - Wgrad: the N*P*Q reduction is cut into slices fixed by the shapes (never by the device); a
 //   thread sums one weight element over one slice into the scratch buffer, and a second kernel
 //   adds the slices in order. Depthwise rows (unit column stride and dilation) cut the N*P output
@@ -20,6 +22,7 @@
 // Indices are 64-bit throughout (grid-stride loops over int64 counts).
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "common/launch.h"
 #include "common/scratch.h"
@@ -149,6 +152,95 @@ __global__ void __launch_bounds__(kThreads)
     for (int j = 0; j < kRowColumns; ++j)
       if (j < columns) dst[j * s.out_at.d] = from_acc<T>(sum[j]);
   }
+}
+
+// Depthwise blocks: depthwise rows with unit row stride and dilation too, and kTaps x kTaps taps
+// (3, 5 or 7; not float64, whose registers would spill). A thread computes kBlockRows x
+// kRowColumns outputs of one (n, channel) with the channel's weights in registers, and loads each
+// input row segment once for every output row of the block that reads it: kBlockRows + kTaps - 1
+// segments instead of kBlockRows * kTaps. The sums are the rows kernel's, in its order (row tap,
+// then column tap), so both give the same bits.
+constexpr int kBlockRows = 4;
+
+int depthwise_block_taps(const NhwcStencil& s) {
+  const bool square = s.rows.taps == s.cols.taps;
+  return depthwise_rows(s) && s.rows.stride == 1 && s.rows.dilation == 1 && square &&
+                 (s.cols.taps == 3 || s.cols.taps == 5 || s.cols.taps == 7)
+             ? int(s.cols.taps)
+             : 0;
+}
+
+template <class T, int kTaps>
+__global__ void __launch_bounds__(kThreads)
+    depthwise_block_nhwc_kernel(const T* __restrict__ source, const T* __restrict__ weight,
+                                const T* __restrict__ bias, T* __restrict__ out, NhwcStencil s) {
+  using A = acc_t<T>;
+  const int64_t channels = s.groups * s.out_per_group;
+  const int64_t column_blocks = ceil_div(s.cols.out, kRowColumns);
+  const int64_t row_blocks = ceil_div(s.rows.out, kBlockRows);
+  const int64_t total = s.N * row_blocks * column_blocks * channels;
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t oc = idx % channels;
+    int64_t rest = idx / channels;
+    const int64_t x0 = rest % column_blocks * kRowColumns;
+    rest /= column_blocks;
+    const int64_t y0 = rest % row_blocks * kBlockRows;
+    const int64_t n = rest / row_blocks;
+    const int64_t g = oc / s.out_per_group, o = oc % s.out_per_group;
+    A w[kTaps][kTaps];
+#pragma unroll
+    for (int r = 0; r < kTaps; ++r)
+#pragma unroll
+      for (int t = 0; t < kTaps; ++t) w[r][t] = to_acc(weight[s.weights.offset(g, o, 0, r, t)]);
+    A sum[kBlockRows][kRowColumns];
+    const A start = bias != nullptr ? to_acc(bias[oc]) : A(0);
+#pragma unroll
+    for (int j = 0; j < kBlockRows; ++j)
+#pragma unroll
+      for (int x = 0; x < kRowColumns; ++x) sum[j][x] = start;
+    const T* src = source + s.source_at.at(n, g, 0, 0);
+    const int64_t first_row = s.rows.position(y0, 0), first_col = s.cols.position(x0, 0);
+#pragma unroll
+    for (int u = 0; u < kBlockRows + kTaps - 1; ++u) {
+      const int64_t sy = first_row + u;
+      if (sy < 0 || sy >= s.rows.source) continue;
+      const T* row = src + sy * s.source_at.c;
+      A window[kRowColumns + kTaps - 1];
+#pragma unroll
+      for (int k = 0; k < kRowColumns + kTaps - 1; ++k) {
+        const int64_t sx = first_col + k;
+        window[k] = sx >= 0 && sx < s.cols.source ? to_acc(row[sx * s.source_at.d]) : A(0);
+      }
+#pragma unroll
+      for (int j = 0; j < kBlockRows; ++j) {
+        const int r = u - j;  // output row y0 + j reads this segment at row tap r
+        if (r < 0 || r >= kTaps) continue;
+#pragma unroll
+        for (int t = 0; t < kTaps; ++t)
+#pragma unroll
+          for (int x = 0; x < kRowColumns; ++x) sum[j][x] += w[r][t] * window[x + t];
+      }
+    }
+    const int columns = int(min(int64_t(kRowColumns), s.cols.out - x0));
+#pragma unroll
+    for (int j = 0; j < kBlockRows; ++j) {
+      if (y0 + j >= s.rows.out) break;
+      T* dst = out + s.out_at.at(n, oc, y0 + j, x0);
+#pragma unroll
+      for (int x = 0; x < kRowColumns; ++x)
+        if (x < columns) dst[x * s.out_at.d] = from_acc<T>(sum[j][x]);
+    }
+  }
+}
+
+template <class T, int kTaps>
+void launch_depthwise_block(cudaStream_t stream, const T* source, const T* weight,
+                            const T* bias, T* out, const NhwcStencil& s) {
+  const int64_t items = s.N * ceil_div(s.rows.out, kBlockRows) *
+                        ceil_div(s.cols.out, kRowColumns) * s.groups * s.out_per_group;
+  depthwise_block_nhwc_kernel<T, kTaps><<<grid_blocks(items, kThreads), kThreads, 0, stream>>>(
+      source, weight, bias, out, s);
 }
 
 // Depthwise rows of the wgrad (one input channel per group, unit column stride and dilation, at
@@ -365,6 +457,14 @@ ffi::Error run_stencil_nhwc(cudaStream_t stream, const char* op, const T* source
                             const T* bias, T* out, const NhwcStencil& s) {
   if (s.N * s.rows.out * s.cols.out * s.groups * s.out_per_group == 0)
     return ffi::Error::Success();
+  if constexpr (!std::is_same_v<T, double>) {
+    switch (depthwise_block_taps(s)) {
+      case 3: launch_depthwise_block<T, 3>(stream, source, weight, bias, out, s); return launch_status(op);
+      case 5: launch_depthwise_block<T, 5>(stream, source, weight, bias, out, s); return launch_status(op);
+      case 7: launch_depthwise_block<T, 7>(stream, source, weight, bias, out, s); return launch_status(op);
+      default: break;
+    }
+  }
   if (depthwise_rows(s)) {
     const int64_t items =
         s.N * s.rows.out * ceil_div(s.cols.out, kRowColumns) * s.groups * s.out_per_group;
