@@ -86,6 +86,10 @@ LOW_PRECISION = [
     ((1, 8, 15, 13), (8, 8, 5, 5), dict(padding=2, dilation=(1, 2)), False),
     ((2, 3, 14, 14), (16, 3, 7, 7), dict(stride=2, padding=3), True),  # a stem: C = 3
     ((2, 16, 10, 10), (16, 1, 3, 3), dict(padding=1, groups=16), True),  # depthwise
+    # depthwise 7x7 and 5x5 (channel multiplier 2): the GPU's depthwise block and rows kernels,
+    # with row and column tails
+    ((2, 6, 13, 19), (6, 1, 7, 7), dict(padding=3, groups=6), True),
+    ((1, 4, 9, 21), (8, 1, 5, 5), dict(padding=2, groups=4), False),
     ((2, 32, 8, 8), (32, 16, 3, 3), dict(padding=1, groups=2), False),
 ]
 
