@@ -10,6 +10,7 @@ and the kernels fold it into their own iteration.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -21,7 +22,8 @@ from . import _sharding as _partition
 from ._checks import as_array, check_float_dtypes, is_python_scalar
 from ._primitive import Kernel, add, aval, instantiate, is_linear, is_zero
 
-_MAX_RANK = 16
+_MAX_RANK = 16  # kMaxBroadcastRank: collapsed dimensions the kernels index
+_MAX_KERNEL_RANK = 64  # operand ranks the kernels' host code takes
 
 
 def lerp(input: Any, end: Any, weight: Any) -> jax.Array:
@@ -48,12 +50,19 @@ def lerp(input: Any, end: Any, weight: Any) -> jax.Array:
 
 
 def _broadcast_shape(*arrays: jax.Array) -> tuple[int, ...]:
+    """The result's shape by NumPy's rules, computed here: np.broadcast_shapes refuses results
+    of 2^63 elements or more with its own 'do not broadcast' error, and those are size errors."""
     names = ("input", "end", "weight")
-    try:
-        shape = np.broadcast_shapes(*(a.shape for a in arrays))
-    except ValueError:
-        shown = ", ".join(f"{n}{tuple(a.shape)}" for n, a in zip(names, arrays))
-        raise ValueError(f"lerp(): shapes do not broadcast: {shown}") from None
+    rank = max(a.ndim for a in arrays)
+    padded = [(1,) * (rank - a.ndim) + tuple(a.shape) for a in arrays]
+    shape = []
+    for extents in zip(*padded):
+        sizes = {n for n in extents if n != 1}
+        if len(sizes) > 1:
+            shown = ", ".join(f"{n}{tuple(a.shape)}" for n, a in zip(names, arrays))
+            raise ValueError(f"lerp(): shapes do not broadcast: {shown}")
+        shape.append(sizes.pop() if sizes else 1)
+    shape = tuple(shape)
     if len(shape) > _MAX_RANK:
         raise ValueError(f"lerp(): at most {_MAX_RANK} dimensions are supported, got {len(shape)}")
     return tuple(shape)
@@ -91,9 +100,30 @@ def _shape_rule(*operands, shape, dtype, **_):
     return shape, dtype
 
 
+def _collapsed_rank(shape, operand_shapes) -> int:
+    """The rank the kernels iterate over (broadcast.h, make_broadcast_geometry): the output's
+    dimensions above 1, neighbours merged where every operand is broadcast alike."""
+    patterns = []
+    for d, n in enumerate(shape):
+        if n != 1:
+            pattern = tuple(s[d] == 1 for s in operand_shapes)
+            if not patterns or patterns[-1] != pattern:
+                patterns.append(pattern)
+    return len(patterns)
+
+
 def _emit(target):
     def emit(*operands, shape, dtype, weight=None):
         attrs = {} if weight is None else {"weight": np.float64(weight)}
+        if (len(shape) > _MAX_KERNEL_RANK or
+                _collapsed_rank(shape, [x.shape for x in operands]) > _MAX_RANK):
+            # A vmap can add axes to a call that passed the rank check, up to more broadcast
+            # patterns than the kernels index: then they run on the operands broadcast to the
+            # output and flattened (memory of the output per operand, for such shapes only).
+            flat = [jnp.broadcast_to(x, shape).reshape(-1) for x in operands]
+            out = _ffi.call(target, jax.ShapeDtypeStruct((math.prod(shape),), dtype), *flat,
+                            **attrs)
+            return out.reshape(shape)
         return _ffi.call(target, jax.ShapeDtypeStruct(shape, dtype), *operands, **attrs)
     return emit
 

@@ -193,3 +193,24 @@ def test_errors():
         jk.lerp(f32, jnp.ones(4, jnp.float32), 0.5)
     with pytest.raises(TypeError, match=r"lerp\(\)"):
         jk.lerp(f32, "end", 0.5)
+
+
+def test_vmap_past_the_kernels_broadcast_rank():
+    """16 alternating broadcast patterns pass the rank check; a vmap over every operand adds a
+    17th, past what the kernels index: the call runs on broadcast, flattened operands instead
+    (it failed at run time with INVALID_ARGUMENT), forward and gradients against jnp."""
+    a = jax.random.normal(jax.random.key(0), (3,) + (2, 1) * 8, jnp.float64)
+    b = jax.random.normal(jax.random.key(1), (3,) + (1, 2) * 8, jnp.float64)
+    w = jax.random.uniform(jax.random.key(2), (3,) + (1,) * 16, jnp.float64)
+
+    def loss(op):
+        return lambda a, b, w: (op(a, b, w) ** 2).sum()
+
+    # torch's two-sided formula
+    reference = lambda a, b, w: jnp.where(w < 0.5, a + w * (b - a), b - (b - a) * (1 - w))
+    np.testing.assert_allclose(jax.vmap(jk.lerp)(a, b, w), jax.vmap(reference)(a, b, w),
+                               rtol=1e-15, atol=1e-15)
+    got = jax.vmap(jax.grad(loss(jk.lerp), argnums=(0, 1, 2)))(a, b, w)
+    expected = jax.vmap(jax.grad(loss(reference), argnums=(0, 1, 2)))(a, b, w)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-12)
