@@ -10,48 +10,61 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # The libraries' names of the padding modes that pad with something other than zeros, and
 # jnp.pad's name for each.
 _JNP_PAD_MODES = {"CIRCULAR": "wrap", "REFLECT": "reflect", "REPLICATE": "edge"}
 
 
-def pair(name: str, value: int | Sequence[int]) -> tuple[int, int]:
-    """``value`` (an int or a pair of ints) as a pair."""
+def pair(layer: str, name: str, value: int | Sequence[int]) -> tuple[int, int]:
+    """``value`` (an int or a pair of ints) as a pair; errors name ``layer``."""
+    def integer(v):
+        if isinstance(v, bool):
+            raise TypeError(f"{layer}: `{name}` must be an int or a pair of ints, got {value!r}")
+        try:
+            return operator.index(v)
+        except TypeError:
+            raise TypeError(f"{layer}: `{name}` must be an int or a pair of ints, "
+                            f"got {value!r}") from None
+
     if isinstance(value, (tuple, list)):
         if len(value) != 2:
-            raise ValueError(f"`{name}` must be an int or a pair of ints, got {value!r}")
-        return operator.index(value[0]), operator.index(value[1])
-    v = operator.index(value)
+            raise ValueError(f"{layer}: `{name}` must be an int or a pair of ints, got {value!r}")
+        return integer(value[0]), integer(value[1])
+    v = integer(value)
     return v, v
 
 
-def explicit_padding(padding: Any) -> Any:
+def explicit_padding(layer: str, padding: Any) -> Any:
     """Flax's and Equinox's padding forms in :func:`jax_kernels.conv2d`'s terms: a string is
     lax's (``"SAME"``, ``"VALID"``, ``"SAME_LOWER"``, case-insensitive, as both libraries pass
     strings to ``lax.conv_general_dilated``); an int or a pair of ints pads both sides alike; a
-    pair whose items are ints or (low, high) pairs pads each axis as given."""
+    pair whose items are ints or (low, high) pairs pads each axis as given. Errors name
+    ``layer``: a ValueError for an unknown string or a wrong length, a TypeError for items that
+    are not ints."""
+    forms = ("a string, an int, or a pair of ints or of (low, high) pairs (one per spatial "
+             f"axis), got {padding!r}")
     if isinstance(padding, str):
         upper = padding.upper()
         if upper not in ("SAME", "VALID", "SAME_LOWER"):
-            raise ValueError(f"padding must be 'SAME', 'VALID' or 'SAME_LOWER' (or one of "
-                             f"the non-zero padding modes), got {padding!r}")
+            raise ValueError(f"{layer}: padding must be 'SAME', 'VALID' or 'SAME_LOWER' (or one "
+                             f"of the non-zero padding modes), got {padding!r}")
         return upper
-    if isinstance(padding, int) and not isinstance(padding, bool):
-        return ((padding, padding), (padding, padding))
-    if isinstance(padding, (tuple, list)) and len(padding) == 2:
-        pads = []
-        for p in padding:
-            if isinstance(p, int) and not isinstance(p, bool):
-                pads.append((p, p))
-            elif isinstance(p, (tuple, list)) and len(p) == 2:
-                pads.append((operator.index(p[0]), operator.index(p[1])))
-            else:
-                break
-        else:
-            return tuple(pads)
-    raise ValueError("padding must be a string, an int, or a pair of ints or of (low, high) "
-                     f"pairs (one per spatial axis), got {padding!r}")
+
+    def integer(v):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{layer}: padding must be {forms}")
+        return int(v)
+
+    if isinstance(padding, (tuple, list)):
+        if len(padding) != 2 or not all(not isinstance(p, (tuple, list)) or len(p) == 2
+                                        for p in padding):
+            raise ValueError(f"{layer}: padding must be {forms}")
+        return tuple((integer(p[0]), integer(p[1])) if isinstance(p, (tuple, list))
+                     else (integer(p), integer(p)) for p in padding)
+    p = integer(padding)
+    return ((p, p), (p, p))
 
 
 def pad_nonzero(x: jax.Array, mode: str, pads: Sequence[tuple[int, int]],

@@ -80,13 +80,16 @@ class Conv2d(eqx.Module):
         if groups < 1 or in_channels % groups or out_channels % groups:
             raise ValueError(f"Conv2d: in_channels ({in_channels}) and out_channels "
                              f"({out_channels}) must be divisible by groups ({groups})")
+        if not isinstance(padding_mode, str):
+            raise TypeError(f"Conv2d: padding_mode must be a string, one of {_PADDING_MODES}, "
+                            f"got {padding_mode!r}")
         if padding_mode.upper() not in _PADDING_MODES:
             raise ValueError(f"Conv2d: padding_mode must be one of {_PADDING_MODES}, got "
                              f"{padding_mode!r}")
-        self.kernel_size = _layers.pair("kernel_size", kernel_size)
-        self.stride = _layers.pair("stride", stride)
-        self.dilation = _layers.pair("dilation", dilation)
-        self.padding = _layers.explicit_padding(padding)
+        self.kernel_size = _layers.pair("Conv2d", "kernel_size", kernel_size)
+        self.stride = _layers.pair("Conv2d", "stride", stride)
+        self.dilation = _layers.pair("Conv2d", "dilation", dilation)
+        self.padding = _layers.explicit_padding("Conv2d", padding)
         dtype = _default_dtype() if dtype is None else dtype
         weight_key, bias_key = jax.random.split(key, 2)
         fan_in = in_channels // groups * math.prod(self.kernel_size)
@@ -155,6 +158,9 @@ class RoIAlign(eqx.Module):
         _layers.check_rank("RoIAlign", "x", x, (3,), "(C, H, W)")
         boxes = jnp.asarray(boxes)
         _layers.check_rank("RoIAlign", "boxes", boxes, (2,), "(K, 4)")
+        if boxes.shape[1] != 4:
+            raise ValueError(f"RoIAlign: expected boxes of shape (K, 4) (x1, y1, x2, y2) for "
+                             f"one example, got {tuple(boxes.shape)}")
         return roi_align(x[None], [boxes], self.output_size, self.spatial_scale,
                          self.sampling_ratio, self.aligned, deterministic=self.deterministic)
 
@@ -185,7 +191,7 @@ class SpatialTransformer(eqx.Module):
         del key
         _layers.check_rank("SpatialTransformer", "x", x, (3,), "(C, H, W) (vmap over a batch)")
         c, h, w = x.shape
-        ho, wo = (h, w) if self.output_size is None else _layers.pair("output_size",
+        ho, wo = (h, w) if self.output_size is None else _layers.pair("SpatialTransformer", "output_size",
                                                                       self.output_size)
         theta = jnp.reshape(self.localization(x), (1, 2, 3))
         grid = affine_grid(theta, (1, c, ho, wo), self.align_corners).astype(x.dtype)

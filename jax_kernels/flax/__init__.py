@@ -68,7 +68,7 @@ class Conv2d(nnx.Module):
                  bias_init: Callable[..., jax.Array] = default_bias_init, rngs: nnx.Rngs):
         _common.check_conv_features("Conv2d", in_features, out_features, feature_group_count)
         _common.check_padding(padding)
-        kernel_size = _layers.pair("kernel_size", kernel_size)
+        kernel_size = _layers.pair("Conv2d", "kernel_size", kernel_size)
         self.kernel_shape = kernel_size + (in_features // feature_group_count, out_features)
         self.kernel = nnx.Param(kernel_init(rngs.params(), self.kernel_shape, param_dtype))
         self.bias: nnx.Param | None

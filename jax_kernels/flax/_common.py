@@ -29,7 +29,7 @@ def check_padding(padding: PaddingLike) -> None:
     """Raises at construction for a padding that the layer's call would reject."""
     if isinstance(padding, str) and padding.upper() in ("CIRCULAR", "REFLECT"):
         return
-    _layers.explicit_padding(padding)
+    _layers.explicit_padding("Conv2d", padding)
 
 
 def conv2d_nhwc(inputs: jax.Array, kernel: jax.Array, bias: jax.Array | None,
@@ -39,8 +39,8 @@ def conv2d_nhwc(inputs: jax.Array, kernel: jax.Array, bias: jax.Array | None,
     """``flax.nnx.Conv``'s computation for 2-D kernels, by :func:`jax_kernels.conv2d` with
     ``data_format="NHWC"``. ``inputs`` is ``[*batch, H, W, C]`` (any number of batch axes,
     none included); the result has the same batch axes."""
-    stride = _layers.pair("strides", 1 if strides is None else strides)
-    dilation = _layers.pair("kernel_dilation", 1 if kernel_dilation is None else kernel_dilation)
+    stride = _layers.pair("Conv2d", "strides", 1 if strides is None else strides)
+    dilation = _layers.pair("Conv2d", "kernel_dilation", 1 if kernel_dilation is None else kernel_dilation)
     batch_shape = inputs.shape[:-3]
     if len(batch_shape) > 1:  # as Flax: every batch axis folded into one
         inputs = inputs.reshape((-1,) + inputs.shape[-3:])
@@ -50,7 +50,7 @@ def conv2d_nhwc(inputs: jax.Array, kernel: jax.Array, bias: jax.Array | None,
                                      (inputs.ndim - 3, inputs.ndim - 2))
         padding = "VALID"
     else:
-        padding = _layers.explicit_padding(padding)
+        padding = _layers.explicit_padding("Conv2d", padding)
     if dtype is None:
         dtype = jnp.result_type(*(a for a in (inputs, kernel, bias) if a is not None))
     inputs, kernel = inputs.astype(dtype), kernel.astype(dtype)
@@ -73,7 +73,7 @@ def spatial_transform(localization: Callable[[jax.Array], jax.Array], inputs: ja
     (``[N, 6]`` or ``[N, 2, 3]``, reshaped to ``[N, 2, 3]``) to ``[N, Ho, Wo, C]``."""
     check_nhwc("SpatialTransformer", "inputs", inputs)
     n, h, w, c = inputs.shape
-    ho, wo = (h, w) if output_size is None else _layers.pair("output_size", output_size)
+    ho, wo = (h, w) if output_size is None else _layers.pair("SpatialTransformer", "output_size", output_size)
     theta = jnp.reshape(localization(inputs), (n, 2, 3))
     grid = affine_grid(theta, (n, c, ho, wo), align_corners).astype(inputs.dtype)
     return grid_sample(inputs, grid, mode, padding_mode, align_corners,

@@ -52,7 +52,7 @@ class Conv2d(nn.Module):
         _common.check_conv_features("Conv2d", in_features, self.features,
                                     self.feature_group_count)
         _common.check_padding(self.padding)
-        kernel_shape = _layers.pair("kernel_size", self.kernel_size) + (
+        kernel_shape = _layers.pair("Conv2d", "kernel_size", self.kernel_size) + (
             in_features // self.feature_group_count, self.features)
         kernel = self.param("kernel", self.kernel_init, kernel_shape, self.param_dtype)
         bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
