@@ -9,10 +9,14 @@ same way: after warm-up, ``--dispatches`` back-to-back calls then one synchroniz
 ``--rounds`` times; the median per-call time is reported. Inputs are random, never zeros.
 
 The floor of a case is the bytes it must move (each input read once, each output written once)
-over the device copy bandwidth measured in the same run.
+over the device copy bandwidth measured in the same run; "-" where a case has none.
 
 Each op contributes a ``cases_<op>(ctx)`` function returning :class:`Case` objects; ``CASES``
-maps op names to them.
+maps op names to them. ``train_step`` is a whole training step of a model over every op
+(:class:`TrainModel`, also used by tools/scaling_bench.py) against the same model in pure JAX,
+torch and (GPU) torch.compile; its slow contenders get fewer timed calls (``Case.budget_s``), and
+lines starting with ``#`` above a case's rows are its notes (a contender left out, the bitwise
+reproducibility of the jax_kernels step).
 """
 
 from __future__ import annotations
@@ -52,9 +56,11 @@ class Contender:
 @dataclass
 class Case:
     name: str
-    floor_bytes: int  # bytes that must move through device memory (per call)
+    floor_bytes: int | None  # bytes that must move through device memory (per call); None: no floor
     contenders: list[Contender] = field(default_factory=list)
     calls: int = 1  # calls per dispatch: times are reported per call
+    budget_s: float | None = None  # see time_contender: a cap on a slow contender's timed calls
+    notes: list[str] = field(default_factory=list)  # printed above the case's rows; in the JSON
 
 
 @dataclass
@@ -75,10 +81,18 @@ def _sync(kind: str, out) -> None:
         jax.block_until_ready(out)
 
 
-def time_contender(c: Contender, dispatches: int, rounds: int) -> float:
-    """Median milliseconds per call over `rounds` of `dispatches` back-to-back calls."""
+def time_contender(c: Contender, dispatches: int, rounds: int,
+                   budget_s: float | None = None) -> float:
+    """Median milliseconds per call over `rounds` of `dispatches` back-to-back calls. With a
+    `budget_s`, a contender whose timed calls would take longer gets fewer dispatches, then
+    fewer rounds (down to 3 rounds of 1 call), judged from its last warm-up call."""
     for _ in range(3):
+        start = time.perf_counter()
         _sync(c.kind, c.fn())
+    if budget_s is not None:
+        call_s = time.perf_counter() - start
+        dispatches = max(1, min(dispatches, int(budget_s / (rounds * call_s))))
+        rounds = max(min(rounds, 3), min(rounds, int(budget_s / (dispatches * call_s))))
     samples = []
     for _ in range(rounds):
         start = time.perf_counter()
@@ -555,12 +569,290 @@ def _conv2d_cases(ctx, seed, layout, name, N, side, C, K, size, pad, groups, dty
     return [fwd, dgrad, wgrad, *ten]
 
 
+# --- training step -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainModel:
+    """The training-step model over every op (shared with tools/scaling_bench.py):
+
+    - spatial transformer on the images: conv 5x5 stride 4 (3 -> loc_channels) + bias, SiLU,
+      spatial mean, linear to the 6 affine parameters (around the identity), ``affine_grid``,
+      bilinear ``grid_sample`` of the images;
+    - stem conv 3x3 stride 2 (3 -> channels) + bias, SiLU;
+    - ``blocks`` residual blocks: depthwise ``kernel`` x ``kernel`` (groups = channels), pointwise
+      1x1 to 2 x channels + bias, SiLU, pointwise 1x1 back;
+    - head: ``roi_align`` of ``boxes`` boxes per image (features at scale 1/2, sampling ratio 2,
+      aligned) to ``pool`` x ``pool``, next to a learned embedding of the box's slot in its image
+      (``boxes`` x channels, ``repeat``-ed over the images, as DETR's queries), a linear
+      classifier over ``classes``, cross-entropy in float32;
+    - one SGD step and an EMA of the parameters through ``lerp``.
+
+    Boxes come ``boxes`` per image, in image order (what the slot embedding relies on).
+    SiLU rather than ReLU: with a kink, where a pre-activation is near zero each implementation's
+    rounding picks the gradient, and the implementations could not be compared at float32
+    tolerance.
+    """
+    channels: int = 64
+    blocks: int = 2
+    kernel: int = 7
+    boxes: int = 4
+    pool: int = 7
+    classes: int = 10
+    loc_channels: int = 8
+    learning_rate: float = 0.05
+    ema_rate: float = 0.01
+
+
+# model, batch, image side: a realistic step on the GPU, a small one on the CPU (--full there),
+# a tiny one for --quick (a jax_kernels step in about 2 ms on two cores; compiling dominates).
+TRAIN_SIZES = {
+    "gpu": (TrainModel(channels=64, boxes=8, pool=7), 32, 128),
+    "cpu": (TrainModel(channels=32, boxes=4, pool=7), 8, 64),
+    "quick": (TrainModel(channels=16, boxes=4, pool=4), 2, 32),
+}
+
+
+def train_init(model: TrainModel, dtype=jnp.float32, seed: int = 0) -> dict[str, jax.Array]:
+    """Parameters as a flat dict (the torch model takes the same): normal weights scaled by
+    fan-in, zero biases."""
+    rng = np.random.default_rng(seed)
+    c, loc = model.channels, model.loc_channels
+
+    def normal(shape, fan_in, gain=2.0):
+        return rng.standard_normal(shape) * np.sqrt(gain / fan_in)
+
+    params = {
+        "loc_w": normal((loc, 3, 5, 5), 75), "loc_b": np.zeros(loc),
+        # small: the transformer starts near the identity
+        "loc_fc": 0.01 * rng.standard_normal((loc, 6)),
+        "stem_w": normal((c, 3, 3, 3), 27), "stem_b": np.zeros(c),
+    }
+    for i in range(model.blocks):
+        params[f"dw{i}"] = normal((c, 1, model.kernel, model.kernel), model.kernel ** 2)
+        params[f"pw{i}_in"] = normal((2 * c, c, 1, 1), c)
+        params[f"pw{i}_in_b"] = np.zeros(2 * c)
+        # halved so the residual sum stays of unit scale
+        params[f"pw{i}_out"] = normal((c, 2 * c, 1, 1), 2 * c, gain=0.5)
+    params["slot"] = 0.1 * rng.standard_normal((model.boxes, c))
+    features = c * model.pool ** 2 + c
+    params["head_w"] = normal((features, model.classes), features, gain=1.0)
+    params["head_b"] = np.zeros(model.classes)
+    return {k: jnp.asarray(v.astype(np.float32)).astype(dtype) for k, v in params.items()}
+
+
+def train_data(model: TrainModel, batch: int, side: int, dtype=jnp.float32, seed: int = 0):
+    """Images [batch, 3, side, side], boxes [batch * model.boxes, 5] (image coordinates, in
+    image order, of the images' dtype, as roi_align takes them) and int32 labels."""
+    rng = np.random.default_rng(seed)
+    images = rng.standard_normal((batch, 3, side, side)).astype(np.float32)
+    k = batch * model.boxes
+    x1, y1 = rng.uniform(0, side * 0.6, k), rng.uniform(0, side * 0.6, k)
+    w, h = rng.uniform(side / 8, side * 0.4, k), rng.uniform(side / 8, side * 0.4, k)
+    boxes = np.stack([np.repeat(np.arange(batch), model.boxes), x1, y1, x1 + w, y1 + h], 1)
+    labels = rng.integers(0, model.classes, k).astype(np.int32)
+    return (jnp.asarray(images).astype(dtype), jnp.asarray(boxes.astype(np.float32)).astype(dtype),
+            jnp.asarray(labels))
+
+
+def _lax_conv(x, w, b=None, stride=1, padding=0, groups=1):
+    y = jax.lax.conv_general_dilated(x, w, (stride, stride), [(padding, padding)] * 2,
+                                     feature_group_count=groups,
+                                     dimension_numbers=("NCHW", "OIHW", "NCHW"))
+    return y if b is None else y + b[:, None, None]
+
+
+def jnp_affine_grid(theta: jax.Array, size) -> jax.Array:
+    """affine_grid (align_corners=False) as a jnp einsum over the base coordinates; half types
+    computed in float32, as jk.affine_grid does."""
+    _, _, h, w = size
+    compute = jnp.float32 if theta.dtype in (jnp.float16, jnp.bfloat16) else theta.dtype
+    ys, xs = np.meshgrid((2 * np.arange(h) + 1) / h - 1, (2 * np.arange(w) + 1) / w - 1,
+                         indexing="ij")
+    base = jnp.asarray(np.stack([xs, ys, np.ones_like(xs)], -1), compute)
+    return jnp.einsum("hwk,njk->nhwj", base, theta.astype(compute)).astype(theta.dtype)
+
+
+TRAIN_OPS = {
+    "jax_kernels": dict(
+        conv=jk.conv2d, affine_grid=jk.affine_grid, sample=jk.grid_sample, tile=jk.repeat,
+        pool=lambda x, boxes, size: jk.roi_align(x, boxes, size, 0.5, 2, True), lerp=jk.lerp),
+    "pure JAX": dict(
+        conv=_lax_conv, affine_grid=jnp_affine_grid, sample=jnp_grid_sample_bilinear,
+        tile=jnp.tile, lerp=lambda e, p, w: e + w * (p - e),
+        # the gather's weights are float32: back to the features' dtype, as jk.roi_align's output
+        pool=lambda x, boxes, size: roi_align_gather(x, boxes, (size, size), 0.5, 2,
+                                                     True).astype(x.dtype)),
+}
+
+
+def train_loss(ops: dict, model: TrainModel) -> Callable:
+    """loss(params, images, boxes, labels) of the model (see TrainModel) built from `ops`."""
+    def loss(params, images, boxes, labels):
+        conv = ops["conv"]
+        loc = jax.nn.silu(conv(images, params["loc_w"], params["loc_b"], stride=4, padding=2))
+        theta = (jnp.eye(2, 3, dtype=images.dtype)
+                 + (loc.mean(axis=(2, 3)) @ params["loc_fc"]).reshape(-1, 2, 3))
+        x = ops["sample"](images, ops["affine_grid"](theta, images.shape))
+        h = jax.nn.silu(conv(x, params["stem_w"], params["stem_b"], stride=2, padding=1))
+        for i in range(model.blocks):
+            y = conv(h, params[f"dw{i}"], padding=model.kernel // 2, groups=model.channels)
+            y = jax.nn.silu(conv(y, params[f"pw{i}_in"], params[f"pw{i}_in_b"]))
+            h = h + conv(y, params[f"pw{i}_out"])
+        k = boxes.shape[0]
+        pooled = ops["pool"](h, boxes, model.pool).reshape(k, -1)
+        slots = ops["tile"](params["slot"], (k // model.boxes, 1))
+        logits = jnp.concatenate([pooled, slots], 1) @ params["head_w"] + params["head_b"]
+        log_p = jax.nn.log_softmax(logits.astype(jnp.float32))
+        return -jnp.mean(jnp.take_along_axis(log_p, labels[:, None], axis=1))
+    return loss
+
+
+def train_step(ops: dict, model: TrainModel) -> Callable:
+    """step(params, ema, images, boxes, labels) -> (params, ema, loss): value_and_grad, an SGD
+    update, and the EMA of the updated parameters through ops["lerp"]. Not jitted."""
+    value_and_grad = jax.value_and_grad(train_loss(ops, model))
+
+    def step(params, ema, images, boxes, labels):
+        value, grads = value_and_grad(params, images, boxes, labels)
+        params = jax.tree.map(lambda p, g: p - model.learning_rate * g, params, grads)
+        ema = jax.tree.map(lambda e, p: ops["lerp"](e, p, model.ema_rate), ema, params)
+        return params, ema, value
+    return step
+
+
+def train_steps(ops: dict, model: TrainModel) -> Callable:
+    """steps(params, ema, images, boxes, labels) over batches stacked on a leading axis, one
+    step per batch through lax.scan -> (params, ema, losses). Not jitted."""
+    step = train_step(ops, model)
+
+    def steps(params, ema, images, boxes, labels):
+        def body(state, batch):
+            params, ema, value = step(*state, *batch)
+            return (params, ema), value
+        (params, ema), values = jax.lax.scan(body, (params, ema), (images, boxes, labels))
+        return params, ema, values
+    return steps
+
+
+def torch_train_loss(model: TrainModel) -> Callable:
+    """The same model in torch (torchvision's roi_align): loss(params, images, boxes, labels)."""
+    F = torch.nn.functional
+
+    def loss(p, images, boxes, labels):
+        loc = F.silu(F.conv2d(images, p["loc_w"], p["loc_b"], stride=4, padding=2))
+        theta = (torch.eye(2, 3, dtype=images.dtype, device=images.device)
+                 + (loc.mean(dim=(2, 3)) @ p["loc_fc"]).reshape(-1, 2, 3))
+        grid = F.affine_grid(theta, list(images.shape), align_corners=False)
+        x = F.grid_sample(images, grid, align_corners=False)
+        h = F.silu(F.conv2d(x, p["stem_w"], p["stem_b"], stride=2, padding=1))
+        for i in range(model.blocks):
+            y = F.conv2d(h, p[f"dw{i}"], padding=model.kernel // 2, groups=model.channels)
+            y = F.silu(F.conv2d(y, p[f"pw{i}_in"], p[f"pw{i}_in_b"]))
+            h = h + F.conv2d(y, p[f"pw{i}_out"])
+        k = boxes.shape[0]
+        pooled = torchvision.ops.roi_align(h, boxes, model.pool, 0.5, 2, True).reshape(k, -1)
+        slots = p["slot"].repeat(k // model.boxes, 1)
+        logits = torch.cat([pooled, slots], 1) @ p["head_w"] + p["head_b"]
+        return F.cross_entropy(logits.float(), labels)
+    return loss
+
+
+def torch_train_step(model: TrainModel, params: dict, loss: Callable) -> Callable:
+    """step(images, boxes, labels) -> loss: backward, torch.optim.SGD's step and a
+    ``_foreach_lerp_`` EMA, on `params` (torch leaf tensors, updated in place) and a copy."""
+    ema = [p.detach().clone() for p in params.values()]
+    optimizer = torch.optim.SGD(list(params.values()), lr=model.learning_rate)
+
+    def step(images, boxes, labels):
+        optimizer.zero_grad(set_to_none=True)
+        value = loss(params, images, boxes, labels)
+        value.backward()
+        optimizer.step()
+        with torch.no_grad():
+            torch._foreach_lerp_(ema, list(params.values()), model.ema_rate)
+        return value
+    return step
+
+
+def _tree_bits(tree) -> bytes:
+    return b"".join(np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(tree))
+
+
+def cases_train_step(ctx: Context) -> list[Case]:
+    """One SGD step (+ lerp EMA) of TrainModel, f32 and bf16: per dispatch, and 10 steps on 10
+    distinct batches in one jit (lax.scan); jax_kernels against the same model in pure JAX, in
+    torch eager and (GPU) torch.compile. No floor: a training step has no bandwidth bound."""
+    model, batch, side = TRAIN_SIZES["quick" if ctx.quick else
+                                     "gpu" if ctx.platform == "gpu" else "cpu"]
+    cases = []
+    for dtype in (jnp.float32, jnp.bfloat16):
+        cases += _train_step_cases(ctx, model, batch, side, dtype)
+    return cases
+
+
+def _train_step_cases(ctx, model, batch, side, dtype, steps=10):
+    label = (f"train_step N{batch} 3x{side}x{side} C{model.channels} {model.boxes} boxes/img "
+             f"{np.dtype(dtype).name}")
+    params = train_init(model, dtype)
+    data = [train_data(model, batch, side, dtype, seed=1 + i) for i in range(steps)]
+    stacked = [jnp.stack(arrays) for arrays in zip(*data)]
+    # The pure-JAX step is slow on the CPU (XLA's depthwise convolutions: 0.5 s a step at the
+    # CPU size), so each contender's timed calls are capped.
+    budget = 1.0 if ctx.quick else 5.0
+    one = Case(f"{label}, per dispatch", None, budget_s=budget)
+    scan = Case(f"{label}, {steps} steps in one jit", None, calls=steps, budget_s=budget)
+    for name, ops in TRAIN_OPS.items():
+        step, many = jax.jit(train_step(ops, model)), jax.jit(train_steps(ops, model))
+        one.contenders.append(Contender(name, lambda s=step: s(params, params, *data[0])))
+        scan.contenders.append(Contender(name, lambda s=many: s(params, params, *stacked)))
+    # jax_kernels promises bitwise reproducible passes: the whole 10-step program must be too.
+    jk_many = scan.contenders[0].fn
+    same = _tree_bits(jk_many()) == _tree_bits(jk_many())
+    scan.notes.append(f"jax_kernels {steps} steps run twice: "
+                      f"{'bitwise identical' if same else 'RESULTS DIFFER'}")
+    if ctx.torch_device is None:
+        one.notes.append("torch left out: torch does not import or cannot use this device")
+    elif torchvision is None:
+        one.notes.append("torch left out: torchvision (roi_align) does not import")
+    else:
+        one.contenders += _torch_train_contenders(ctx, model, params, data[0], dtype, one.notes)
+    return [one, scan]
+
+
+def _torch_train_contenders(ctx, model, params, batch, dtype, notes) -> list[Contender]:
+    tdtype = torch.bfloat16 if dtype == jnp.bfloat16 else torch.float32
+
+    def tensor(a):
+        # Through float32 (torch takes no numpy bfloat16; exact), and a copy: np.asarray of a
+        # JAX CPU array is a view of its buffer, which torch's in-place updates would overwrite.
+        return torch.from_numpy(np.array(a.astype(jnp.float32))).to(ctx.torch_device, tdtype)
+
+    images, boxes = tensor(batch[0]), tensor(batch[1])
+    labels = torch.from_numpy(np.asarray(batch[2]).astype(np.int64)).to(ctx.torch_device)
+    variants = [("torch", torch_train_loss(model))]
+    if ctx.platform == "gpu":
+        variants.append(("torch.compile", torch.compile(torch_train_loss(model))))
+    contenders = []
+    for name, loss in variants:
+        leaves = {k: tensor(v).requires_grad_(True) for k, v in params.items()}
+        step = torch_train_step(model, leaves, loss)
+        try:  # compiles torch.compile's graphs; a failure is reported, not fatal
+            step(images, boxes, labels)
+        except Exception as e:
+            notes.append(f"{name} left out: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            continue
+        contenders.append(Contender(name, lambda s=step: s(images, boxes, labels), "torch"))
+    return contenders
+
+
 CASES: dict[str, Callable[[Context], list[Case]]] = {
     "grid_sample": cases_grid_sample,
     "lerp": cases_lerp,
     "repeat": cases_repeat,
     "roi_align": cases_roi_align,
     "conv2d": cases_conv2d,
+    "train_step": cases_train_step,
 }
 
 
@@ -593,16 +885,21 @@ def run(ops: list[str], quick: bool, dispatches: int, rounds: int) -> dict:
     print(f"# {device} ({platform}), jax {jax.__version__}, torch {report['torch']}, "
           f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write), "
           f"JAX dispatch of a one-element jit {overhead:.4f} ms")
-    print(f"{'case':72s} {'contender':12s} {'ms':>9s} {'x floor':>8s} {'x jk':>7s}")
+    print(f"{'case':72s} {'contender':13s} {'ms':>9s} {'x floor':>8s} {'x jk':>7s}")
     for op in ops:
         for case in CASES[op](ctx):
-            floor_ms = case.floor_bytes / bandwidth * 1e3
-            times = {c.name: time_contender(c, dispatches, rounds) / case.calls for c in case.contenders}
+            floor_ms = None if case.floor_bytes is None else case.floor_bytes / bandwidth * 1e3
+            times = {c.name: time_contender(c, dispatches, rounds, case.budget_s) / case.calls
+                     for c in case.contenders}
             ours = times.get("jax_kernels")
+            for note in case.notes:
+                print(f"# {case.name}: {note}")
             for name, ms in times.items():
                 ratio = f"{ms / ours:7.2f}" if ours else "      -"
-                print(f"{case.name[:72]:72s} {name:12s} {ms:9.4f} {ms / floor_ms:8.2f} {ratio}")
-            report["cases"].append({"case": case.name, "floor_ms": floor_ms, "ms": times})
+                floor = f"{ms / floor_ms:8.2f}" if floor_ms else "       -"
+                print(f"{case.name[:72]:72s} {name:13s} {ms:9.4f} {floor} {ratio}")
+            report["cases"].append({"case": case.name, "floor_ms": floor_ms, "ms": times,
+                                    "notes": case.notes})
             sys.stdout.flush()
     return report
 
