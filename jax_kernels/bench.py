@@ -1,7 +1,9 @@
 """Benchmarks: ``python -m jax_kernels.bench [--ops lerp,repeat] [--json FILE] [--quick | --full]``.
 
-On a GPU the full sizes run by default; on a CPU the small ones (``--quick``, a few minutes on
-two cores: 62 s measured), unless ``--full`` asks for the GPU sizes there too (over 15 minutes).
+On a GPU the full sizes run by default; on a CPU the small ones (``--quick``: 15 minutes measured
+on two cores shared with other work, 2026-11-26, the train_step case 1 to 2 of them), unless
+``--full`` asks for larger ones there (the GPU's for most ops; CPU sizes for grid_sample, conv2d
+and train_step: the train_step case alone took 3 minutes).
 
 Times each op and pass against what a user would pick instead, side by side in one run: the
 pure-``jnp`` form, and torch when importable (on the same device). Every contender is timed the
