@@ -33,6 +33,11 @@ except ImportError:  # built without CUDA
 
 CUDA_BUILT = _cuda is not None
 
+#: What :func:`query` returns for a problem whose sizes no 64-bit integer describes (possible in a
+#: shape traced with ``jax.eval_shape`` or ``jax.export``, which allocates nothing); the op raises
+#: a ValueError. A query's own refusals are -1.
+SIZE_OVERFLOW: int = _cpu.size_overflow
+
 #: ``{enum: {name: code}}`` of the enum attributes and query arguments (e.g.
 #: ``ENUMS["GridSampleMode"]["bilinear"]``), as the C++ headers define them.
 ENUMS: dict[str, dict[str, int]] = {name: dict(codes) for name, codes in _cpu.enums.items()}

@@ -466,6 +466,10 @@ def _emit(target: str, pass_: str, conv: _Attrs, result: jax.ShapeDtypeStruct, o
                             dtype=_ffi.ENUMS["ConvDtype"][np.dtype(result.dtype).name],
                             layout=_ffi.ENUMS["ConvLayout"][conv.layout],
                             **extents, **conv.ffi_attributes())
+        if nbytes == _ffi.SIZE_OVERFLOW:
+            raise ValueError(f"{_OP}(): the CUDA {pass_} pass of the problem (N, C, H, W, K, R, "
+                             f"S, P, Q) = {problem} needs more scratch memory than a 64-bit size "
+                             "can describe")
         if nbytes < 0:
             raise RuntimeError(f"{_OP}(): the CUDA module rejected the problem {problem}")
         return nbytes

@@ -283,12 +283,19 @@ def _scatter_emit(dout, grid, *directions, attrs, maps, cells_shape):
     deterministic = attrs.deterministic or bool(directions)
 
     def scratch_bytes():
-        return _ffi.query("grid_sample_bwd_input_scratch", batch=d_input.shape[0],
-                          points=int(np.prod(grid.shape[1:-1])),
-                          cells=int(np.prod(_spatial(d_input.shape, attrs))),
-                          dims=grid.shape[-1],
-                          mode=attrs.mode, element_bytes=np.dtype(dout.dtype).itemsize,
-                          deterministic=deterministic)
+        points = int(np.prod(grid.shape[1:-1]))
+        nbytes = _ffi.query("grid_sample_bwd_input_scratch", batch=d_input.shape[0],
+                            points=points,
+                            cells=int(np.prod(_spatial(d_input.shape, attrs))),
+                            dims=grid.shape[-1],
+                            mode=attrs.mode, element_bytes=np.dtype(dout.dtype).itemsize,
+                            deterministic=deterministic)
+        if nbytes == _ffi.SIZE_OVERFLOW:
+            raise ValueError(
+                f"grid_sample(): the deterministic CUDA input gradient of an input "
+                f"{d_input.shape} sampled at {d_input.shape[0]} x {points} points needs more "
+                "scratch memory than a 64-bit size can describe")
+        return nbytes
 
     target = _target(attrs, "bwd_input_directional" if directions else "bwd_input")
     return _ffi.call_with_cuda_scratch(target, d_input, dout, grid, *directions,

@@ -289,6 +289,10 @@ def _gather_emit(input, boxes, *directions, attrs, batching):
         n, c, h, w = _image_extents(input.shape, attrs)
         nbytes = _ffi.query(_target("roi_align_forward_scratch", attrs), N=n, C=c, H=h, W=w,
                             boxes=boxes.shape[0], element_bytes=np.dtype(input.dtype).itemsize)
+        if nbytes == _ffi.SIZE_OVERFLOW:
+            raise ValueError(f"roi_align(): the CUDA forward of {boxes.shape[0]} boxes on an input "
+                             f"{tuple(input.shape)} needs more scratch memory than a 64-bit size "
+                             "can describe")
         if nbytes < 0:
             raise ValueError(f"roi_align(): {boxes.shape[0]} boxes on {n} images of {h} rows "
                              "exceed the 32-bit box sort of the CUDA forward: use fewer boxes per "
@@ -351,6 +355,12 @@ def _scatter_emit(dout, boxes, *directions, attrs, batching, shape):
                             sampling_ratio=attrs.sampling_ratio,
                             element_bytes=np.dtype(dout.dtype).itemsize,
                             deterministic=attrs.deterministic)
+        if nbytes == _ffi.SIZE_OVERFLOW:
+            raise ValueError(
+                f"roi_align(): the deterministic CUDA input gradient of {boxes.shape[0]} boxes of "
+                f"{attrs.pooled_height} x {attrs.pooled_width} bins on an input {tuple(shape)} "
+                "needs more scratch memory than a 64-bit size can describe: use "
+                "deterministic=False (float32/float64) or fewer boxes per call")
         if nbytes < 0:
             raise ValueError(
                 f"roi_align(): the deterministic CUDA input gradient sorts one entry per box, "

@@ -270,6 +270,25 @@ def test_cuda_lowering_requests_scratch():
     assert "stablehlo.while" not in text and "convolution" not in text
 
 
+@pytest.mark.skipif(not _ffi.CUDA_BUILT, reason="the CUDA module is not built")
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_tensor_core_path_declines_past_cutlass_int_indexing(layout):
+    """CUTLASS indexes each tensor in int (int strides, GEMM extents such as N*P*Q formed in
+    int): the tensor-core path takes a dense float16 3x3 conv whose input is just under 2 GiB
+    and declines it just over, and a 1x1 conv whose N*P*Q passes 2^31 (the direct kernels run
+    those; their forward needs no scratch, the tensor-core path's does)."""
+    def forward_scratch(n, c, k, taps):
+        return _ffi.query("conv2d_scratch", **{"pass": _ffi.ENUMS["ConvPass"]["forward"]},
+                          dtype=_ffi.ENUMS["ConvDtype"]["float16"],
+                          layout=_ffi.ENUMS["ConvLayout"][layout], N=n, C=c, H=64, W=64, K=k,
+                          R=taps, S=taps, P=64, Q=64, stride_h=1, stride_w=1, pad_top=taps // 2,
+                          pad_left=taps // 2, dilation_h=1, dilation_w=1, groups=1, precision=0)
+    images_2gib = 2**31 // (16 * 64 * 64 * 2)
+    assert forward_scratch(images_2gib - 1, 16, 16, 3) > 0
+    assert forward_scratch(images_2gib + 1, 16, 16, 3) == 0
+    assert forward_scratch(2**31 // (64 * 64) + 1, 8, 8, 1) == 0
+
+
 # --- errors --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("x_shape, w_shape, options, message", [

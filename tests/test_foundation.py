@@ -99,6 +99,41 @@ def test_host_queries_take_named_arguments():
         _ffi.query("no_such_query")
 
 
+@pytest.mark.skipif(not _ffi.CUDA_BUILT, reason="host queries live in the CUDA module")
+def test_scratch_queries_refuse_sizes_past_int64():
+    """Scratch sizes are computed in checked 64-bit arithmetic: a problem whose scratch no
+    64-bit size describes (traceable with jax.export, which allocates nothing) gets
+    SIZE_OVERFLOW, never a wrapped size, and the op raises a ValueError naming itself; a
+    query's own refusals stay -1."""
+    overflow = _ffi.SIZE_OVERFLOW
+    bilinear = _ffi.ENUMS["GridSampleMode"]["bilinear"]
+    grid_sample = dict(batch=2**30, cells=16, dims=2, mode=bilinear, element_bytes=4,
+                       deterministic=1)
+    assert _ffi.query("grid_sample_bwd_input_scratch", points=2**20, **grid_sample) > 0
+    assert _ffi.query("grid_sample_bwd_input_scratch", points=2**29, **grid_sample) == overflow
+    roi_align = dict(N=1, H=64, W=64, boxes=2**20, pooled_height=7, pooled_width=7,
+                     sampling_ratio=2, element_bytes=4, deterministic=1)
+    assert _ffi.query("roi_align_backward_input_scratch", C=256, **roi_align) > 0
+    assert _ffi.query("roi_align_backward_input_scratch", C=2**60, **roi_align) == overflow
+    forward = dict(N=2**20, H=2**10, W=2**10, element_bytes=4)
+    assert _ffi.query("roi_align_forward_scratch", C=2**22, boxes=4, **forward) == overflow
+    assert _ffi.query("roi_align_forward_scratch", C=1, boxes=2**31, **forward) == -1
+    conv = {"pass": _ffi.ENUMS["ConvPass"]["backward_weight"],
+            "dtype": _ffi.ENUMS["ConvDtype"]["float32"], "layout": _ffi.ENUMS["ConvLayout"]["NCHW"],
+            "N": 4, "H": 8, "W": 8, "R": 3, "S": 3, "P": 8, "Q": 8, "stride_h": 1, "stride_w": 1,
+            "pad_top": 1, "pad_left": 1, "dilation_h": 1, "dilation_w": 1, "groups": 1,
+            "precision": 0}
+    assert _ffi.query("conv2d_scratch", C=3, K=5, **conv) > 0
+    assert _ffi.query("conv2d_scratch", C=2**31 - 1, K=2**31 - 1, **conv) == overflow
+    # The op's trace-time error: d_input of a grid_sample on 2^30 x 2^29 points.
+    f = jax.grad(lambda x, g: jk.grid_sample(x, g).sum())
+    shapes = (jax.ShapeDtypeStruct((2**30, 1, 4, 4), jnp.float32),
+              jax.ShapeDtypeStruct((2**30, 2**15, 2**14, 2), jnp.float32))
+    with pytest.raises(ValueError, match=r"grid_sample\(\).*64-bit size"):
+        jax.export.export(jax.jit(f), platforms=("cuda",),
+                          disabled_checks=jk.disabled_export_checks())(*shapes)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: np.dtype(d).name)
 def test_half_conversions_round_to_nearest_even(dtype):
     # repeat's backward sums the two copies of each element in float32 and rounds once to the

@@ -33,7 +33,8 @@ __global__ void repeat_rows_kernel(const Chunk* __restrict__ x, Chunk* __restric
   for (int64_t row = first; row < end; ++row) {
     const Chunk* src = x + g.x_offset(row * out_row);
     Chunk* dst = out + row * out_row;
-    if (out_row <= 0xffffffff) {  // 32-bit column arithmetic
+    // 32-bit column arithmetic where j + blockDim.x cannot wrap past 2^32.
+    if (out_row <= 0xffffffff - int64_t(blockDim.x)) {
       const uint32_t n = uint32_t(out_row), m = uint32_t(x_row);
 #pragma unroll 4
       for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) __stcs(dst + j, src[j % m]);

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <type_traits>
 
@@ -42,12 +43,17 @@ inline int64_t radix_sort_temp_bound(int64_t items, int end_bit) {
 
 // Sorts `count` pairs by the low `end_bit` bits of their keys, stably, on the stream, in `temp`
 // (temp_bytes of radix_sort_temp_bound(count, end_bit)); the result is in keys.Current() and
-// values.Current(). Keys and values are 32- or 64-bit unsigned or signed integers.
+// values.Current(). Keys and values are 32- or 64-bit unsigned or signed integers. CUB counts
+// the items of 32-bit keys in int (its 32-bit offsets are faster): a count past that is refused,
+// never truncated (the callers take 64-bit keys for such counts).
 template <class Key, class Value>
 ffi::Error radix_sort_pairs(const char* op, cub::DoubleBuffer<Key>& keys,
                             cub::DoubleBuffer<Value>& values, int64_t count, int end_bit,
                             void* temp, int64_t temp_bytes, cudaStream_t stream) {
   using Items = std::conditional_t<sizeof(Key) == 4, int, int64_t>;
+  if (count < 0 || count > int64_t(std::numeric_limits<Items>::max()))
+    return ffi::Error::Internal(std::string(op) + ": " + std::to_string(count) +
+                                " sort items do not fit CUB's item count");
   size_t needed = 0;
   if (auto error = cuda_status(op, cub::DeviceRadixSort::SortPairs(
                                        nullptr, needed, keys, values, Items(count), 0, end_bit,

@@ -2,7 +2,9 @@
 // op's host query computed at trace time (never cudaMalloc). Its regions are laid out once, by
 // the same function at trace time and at run time, each at a multiple of kScratchAlign bytes from
 // a base aligned inside the buffer (the buffer itself is only promised its element alignment, so
-// the total includes that much slack).
+// the total includes that much slack). Sizes are checked (index_math.h): a region whose size is
+// -1, or a total past int64, makes the total -1, which the host queries return and the handlers
+// refuse.
 #pragma once
 
 #include <cstdint>
@@ -15,14 +17,15 @@ constexpr int64_t kScratchAlign = 256;
 
 class ScratchLayout {
  public:
-  // Reserves `bytes` and returns their offset from the aligned base.
+  // Reserves `bytes` (a checked size) and returns their offset from the aligned base.
   int64_t take(int64_t bytes) {
     const int64_t offset = end_;
-    end_ += round_up(bytes, kScratchAlign);
+    end_ = checked_add(end_, checked_round_up(bytes, kScratchAlign));
     return offset;
   }
-  // The bytes to ask XLA for: the regions plus the slack to align the base; 0 when none.
-  int64_t total() const { return end_ == 0 ? 0 : end_ + kScratchAlign; }
+  // The bytes to ask XLA for: the regions plus the slack to align the base; 0 when none, -1
+  // when they cannot be represented.
+  int64_t total() const { return end_ == 0 ? 0 : checked_add(end_, kScratchAlign); }
 
  private:
   int64_t end_ = 0;

@@ -254,7 +254,9 @@ bool depthwise_rows_wgrad(const ConvProblem& p) {
 // kernel cuts the N*P*Q output positions (`positions`) into slices of at least 64, about 2^20
 // threads in all; the depthwise rows kernel cuts the N*P output rows into slices of at least 2
 // rows, about 2^18 threads (a thread per (slice, tap row, filter)). Both keep at most 2^24
-// partial sums (bounds the scratch): partial[slice][e], e the HWIO weight element.
+// partial sums (bounds the scratch): partial[slice][e], e the HWIO weight element. weights or
+// positions is -1 (and slices 0) when it cannot be represented (only the scratch query sees such
+// a problem).
 struct WgradSlices {
   int64_t weights, positions, per_slice, slices;
   bool rows;  // the depthwise rows kernel: positions are output rows (n, y)
@@ -262,9 +264,9 @@ struct WgradSlices {
 
 WgradSlices wgrad_slices(const ConvProblem& p) {
   WgradSlices w{};
-  w.weights = p.K * p.channels_per_group() * p.R * p.S;
+  w.weights = checked_product({p.K, p.channels_per_group(), p.R, p.S});
   w.rows = depthwise_rows_wgrad(p);
-  w.positions = w.rows ? p.N * p.P : p.N * p.P * p.Q;
+  w.positions = w.rows ? checked_mul(p.N, p.P) : checked_product({p.N, p.P, p.Q});
   if (w.weights <= 0 || w.positions <= 0 || p.Q <= 0) return w;
   const int64_t threads_per_slice = w.rows ? p.R * p.K : w.weights;
   int64_t slices = std::max<int64_t>(1, (int64_t(1) << (w.rows ? 18 : 20)) / threads_per_slice);
@@ -485,8 +487,9 @@ ffi::Error run_stencil_nhwc(cudaStream_t stream, const char* op, const T* source
 template <class T>
 int64_t wgrad_nhwc_scratch_bytes(const ConvProblem& p) {
   const WgradSlices w = wgrad_slices(p);
+  if (w.weights < 0 || w.positions < 0) return -1;
   ScratchLayout layout;
-  layout.take(w.slices * w.weights * int64_t(sizeof(acc_t<T>)));
+  layout.take(checked_product({w.slices, w.weights, int64_t(sizeof(acc_t<T>))}));
   return layout.total();
 }
 
@@ -500,7 +503,8 @@ ffi::Error run_wgrad_nhwc(cudaStream_t stream, const T* dy, const T* x, T* dw,
         nullptr, dw, p, w);
     return launch_status("conv2d wgrad");
   }
-  if (scratch_bytes < wgrad_nhwc_scratch_bytes<T>(p) || scratch == nullptr)
+  const int64_t needed = wgrad_nhwc_scratch_bytes<T>(p);
+  if (needed < 0 || scratch_bytes < needed || scratch == nullptr)
     return ffi::Error::InvalidArgument("conv2d wgrad: scratch buffer too small");
   auto* partial = reinterpret_cast<acc_t<T>*>(aligned_scratch(scratch));
   if (w.rows)

@@ -32,7 +32,8 @@ bool empty_problem(const ConvProblem& p) {
 }
 
 // Which path runs a pass and the scratch bytes its handler must receive: the tensor-core path's
-// when it takes the problem, else the direct kernels' (partial sums of the wgrad).
+// when it takes the problem, else the direct kernels' (partial sums of the wgrad); -1 when they
+// cannot be represented.
 struct ConvPlan {
   bool implicit_gemm;
   int64_t scratch_bytes;
@@ -45,10 +46,11 @@ ConvPlan plan_conv(const ConvQuery& q) {
     const int64_t bytes = implicit_gemm_scratch_bytes(q);
     // Channels last, the tensor-core path uses the tensors in place, and a misaligned one sends
     // the pass to the direct kernels at run time: the scratch covers both.
-    if (bytes >= 0)
-      return {true, q.problem.layout == ConvLayout::kNHWC
-                        ? std::max(bytes, direct_scratch_bytes(q))
-                        : bytes};
+    if (bytes >= 0) {
+      if (q.problem.layout != ConvLayout::kNHWC) return {true, bytes};
+      const int64_t direct = direct_scratch_bytes(q);
+      return {true, direct < 0 ? -1 : std::max(bytes, direct)};
+    }
   }
   return {false, direct_scratch_bytes(q)};
 }
@@ -75,7 +77,8 @@ int64_t direct_scratch_bytes(const ConvQuery& q) {
 // Host query "conv2d_scratch": the scratch bytes of a pass's handler. Arguments: `pass`
 // (ConvPass), `dtype` (ConvDtype), `layout` (ConvLayout: which targets), the targets' attributes (ConvAttrs: stride_h, stride_w,
 // pad_top, pad_left, dilation_h, dilation_w, groups, precision) and the extents N, C, H, W, K,
-// R, S, P, Q; -1 for a malformed problem.
+// R, S, P, Q; -1 for a malformed problem, kSizeOverflow when the scratch bytes cannot be
+// represented.
 int64_t conv2d_scratch_query(const QueryArgs& a) {
   const ConvProblem p{a["N"],        a["C"],        a["H"],          a["W"],
                       a["K"],        a["R"],        a["S"],          a["P"],
@@ -86,7 +89,8 @@ int64_t conv2d_scratch_query(const QueryArgs& a) {
   const ConvQuery query{ConvPass(a["pass"]), ConvDtype(a["dtype"]), ConvPrecision(a["precision"]),
                         p};
   if (conv_problem_error(p) != nullptr) return -1;
-  return plan_conv(query).scratch_bytes;
+  const int64_t bytes = plan_conv(query).scratch_bytes;
+  return bytes < 0 ? kSizeOverflow : bytes;
 }
 
 ConvQuery make_query(ConvPass pass, ffi::DataType type, const ConvAttrs& a, const ConvProblem& p) {
@@ -104,7 +108,7 @@ ffi::Error try_implicit_gemm(cudaStream_t stream, const ConvQuery& q, const void
                            (aligned(a) && aligned(b) && aligned(out) && aligned(bias));
   *handled = plan.implicit_gemm && in_place_ok;
   if (!*handled) return ffi::Error::Success();
-  if (int64_t(scratch->size_bytes()) < plan.scratch_bytes)
+  if (plan.scratch_bytes < 0 || int64_t(scratch->size_bytes()) < plan.scratch_bytes)
     return ffi::Error::InvalidArgument("conv2d: scratch buffer too small for the tensor-core path");
   return implicit_gemm_conv2d(stream, q, a, b, bias, out, scratch->untyped_data(),
                               int64_t(scratch->size_bytes()));

@@ -22,8 +22,9 @@
 //
 // Declined (the direct kernels run them): float64, depthwise and small groups (fewer than 16
 // channels or filters per group, or more than 16 groups), strided dgrad with dilation, unit-stride
-// dgrad with padding wider than the filter, filters over 32 taps a side, and tensors past
-// CUTLASS's 32-bit indexing (2 GiB per tensor).
+// dgrad with padding wider than the filter, filters over 32 taps a side, tensors past CUTLASS's
+// 32-bit indexing (2 GiB per tensor: its int strides and GEMM extents such as N*P*Q), GEMM
+// dimensions past 2^30, and scratch sizes past int64.
 #include "conv/implicit_gemm.h"
 
 #if defined(JAX_KERNELS_HAVE_CUTLASS)
@@ -106,12 +107,14 @@ struct Plan {
   int64_t bytes = -1;
 };
 
-// Lays out regions of the given sizes one after another (common/scratch.h).
-void lay_out_scratch(Plan* plan, std::initializer_list<int64_t> region_bytes) {
+// Lays out regions of the given (checked) sizes one after another (common/scratch.h); false
+// when the total cannot be represented.
+bool lay_out_scratch(Plan* plan, std::initializer_list<int64_t> region_bytes) {
   ScratchLayout layout;
   int index = 0;
   for (int64_t size : region_bytes) plan->offset[index++] = layout.take(size);
   plan->bytes = layout.total();
+  return plan->bytes >= 0;
 }
 
 bool math_of(const ConvQuery& query, Math* math) {
@@ -131,6 +134,24 @@ bool fits_int(std::initializer_list<int64_t> values) {
   return true;
 }
 
+// The batched GEMM forms a dimension plus a tile, and (K + tile - 1) / tile, in int: dimensions
+// up to 2^30 leave room for that.
+bool gemm_dimensions_fit(std::initializer_list<int64_t> dimensions) {
+  for (int64_t d : dimensions)
+    if (d < 0 || d > (int64_t(1) << 30)) return false;
+  return true;
+}
+
+// CUTLASS's conv kernels index each tensor in int: TensorNHWC keeps int strides (H*W*C) and
+// forms n * stride in int, and the GEMM extents (N*P*Q, N*H*W, C*R*S, K*R*S) are products of int
+// extents; its can_implement refuses tensors of 2 GiB or more, which keeps all of them below
+// 2^31. Checked here on the (checked) byte sizes, before any of those products is formed.
+bool cutlass_tensors_fit(std::initializer_list<int64_t> tensor_bytes) {
+  for (int64_t b : tensor_bytes)
+    if (b < 0 || b >= (int64_t(1) << 31)) return false;
+  return true;
+}
+
 bool plan_gemm(const ConvQuery& query, Plan* plan) {
   const ConvProblem& p = query.problem;
   if (p.groups != 1 || p.R != 1 || p.S != 1 || p.stride_h != 1 || p.stride_w != 1 ||
@@ -139,7 +160,8 @@ bool plan_gemm(const ConvQuery& query, Plan* plan) {
   const int64_t pixels = p.H * p.W;
   const int64_t a = plan->alignment;
   if (p.C % a || p.K % a || pixels % a) return false;
-  if (!fits_int({pixels})) return false;
+  // The batch is the grid's z extent (below 2^16).
+  if (p.N >= (1 << 16) || !gemm_dimensions_fit({p.K, p.C, pixels})) return false;
   const int64_t eb = plan->element_bytes;
   BatchedGemm& g = plan->gemm;
   g = BatchedGemm{};
@@ -151,7 +173,8 @@ bool plan_gemm(const ConvQuery& query, Plan* plan) {
       g.M = int(p.K), g.N = int(pixels), g.K = int(p.C);
       g.lda = p.C, g.ldb = pixels, g.ldd = pixels;
       g.batch_stride_a = 0, g.batch_stride_b = p.C * pixels, g.batch_stride_d = p.K * pixels;
-      lay_out_scratch(plan, {p.K * pixels * eb});  // the bias broadcast to [K x pixels]
+      // The bias broadcast to [K x pixels].
+      if (!lay_out_scratch(plan, {checked_product({p.K, pixels, eb})})) return false;
       break;
     case ConvPass::kBackwardData:
       g.kernel = GemmKernel::kDgrad;
@@ -159,7 +182,7 @@ bool plan_gemm(const ConvQuery& query, Plan* plan) {
       g.M = int(p.C), g.N = int(pixels), g.K = int(p.K);
       g.lda = p.C, g.ldb = pixels, g.ldd = pixels;
       g.batch_stride_a = 0, g.batch_stride_b = p.K * pixels, g.batch_stride_d = p.C * pixels;
-      lay_out_scratch(plan, {});
+      if (!lay_out_scratch(plan, {})) return false;
       break;
     case ConvPass::kBackwardWeight: {
       g.kernel = GemmKernel::kWgrad;
@@ -172,9 +195,10 @@ bool plan_gemm(const ConvQuery& query, Plan* plan) {
       // in one launch) is then faster. It also needs less scratch when the partials would
       // outweigh copies of dy and x (large filters over few pixels).
       if (p.N * output_tiles(plan->math, g) < kNominalSms / 2) return false;
-      const int64_t partial_bytes = p.N * p.K * p.C * 4;
-      if (partial_bytes > p.N * pixels * (p.K + p.C) * eb) return false;
-      lay_out_scratch(plan, {partial_bytes});
+      const int64_t partial_bytes = checked_product({p.N, p.K, p.C, 4});
+      const int64_t copy_bytes = checked_product({p.N, pixels, p.K + p.C, eb});
+      if (partial_bytes < 0 || (copy_bytes >= 0 && partial_bytes > copy_bytes)) return false;
+      if (!lay_out_scratch(plan, {partial_bytes})) return false;
       break;
     }
   }
@@ -193,9 +217,17 @@ bool plan_nhwc(const ConvQuery& query, Plan* plan) {
   // Channels last: CUTLASS reads and writes the tensors in place (no activation regions).
   const bool in_place = p.layout == ConvLayout::kNHWC;
   if (in_place && (G != 1 || Cgp != Cg || Kgp != Kg)) return false;
-  const int64_t x_bytes = in_place ? 0 : G * p.N * p.H * p.W * Cgp * eb;
-  const int64_t y_bytes = in_place ? 0 : G * p.N * p.P * p.Q * Kgp * eb;
-  const int64_t w_bytes = G * Kgp * p.R * p.S * Cgp * eb;
+  // One group's tensors as CUTLASS sees them (wgrad writes float32 partial filters).
+  const int64_t x_group = checked_product({p.N, p.H, p.W, Cgp, eb});
+  const int64_t y_group = checked_product({p.N, p.P, p.Q, Kgp, eb});
+  const int64_t w_elements = checked_product({Kgp, p.R, p.S, Cgp});
+  const int64_t w_group = checked_mul(w_elements, eb);
+  const int64_t filter_out =
+      checked_mul(w_elements, query.pass == ConvPass::kBackwardWeight ? 4 : eb);
+  if (!cutlass_tensors_fit({x_group, y_group, w_group, filter_out})) return false;
+  const int64_t x_bytes = in_place ? 0 : G * x_group;
+  const int64_t y_bytes = in_place ? 0 : G * y_group;
+  const int64_t w_bytes = G * w_group;
 
   NhwcConv& c = plan->conv;
   c = NhwcConv{};
@@ -209,7 +241,7 @@ bool plan_nhwc(const ConvQuery& query, Plan* plan) {
     case ConvPass::kForward:
       c.kernel = NhwcKernel::kFprop;
       c.tile = Kgp <= 64 ? TileClass::kNarrow : TileClass::kWide;
-      lay_out_scratch(plan, {x_bytes, w_bytes, G * Kgp * eb, y_bytes});
+      if (!lay_out_scratch(plan, {x_bytes, w_bytes, G * Kgp * eb, y_bytes})) return false;
       break;
     case ConvPass::kBackwardData: {
       // dx = conv(dy, w flipped and transposed) with padding d*(R-1) - pad: an fprop over dy.
@@ -229,7 +261,7 @@ bool plan_nhwc(const ConvQuery& query, Plan* plan) {
       } else {
         return false;
       }
-      lay_out_scratch(plan, {y_bytes, w_bytes, x_bytes});
+      if (!lay_out_scratch(plan, {y_bytes, w_bytes, x_bytes})) return false;
       break;
     }
     case ConvPass::kBackwardWeight: {
@@ -242,7 +274,8 @@ bool plan_nhwc(const ConvQuery& query, Plan* plan) {
       int64_t split = std::min(kMaxSplitK, ceil_div(2 * kNominalSms, tiles));
       split = std::max<int64_t>(1, std::min(split, k_iterations / kMinKIterationsPerSlice));
       c.split_k = int(split);
-      lay_out_scratch(plan, {y_bytes, x_bytes, G * split * Kgp * p.R * p.S * Cgp * 4});
+      if (!lay_out_scratch(plan, {y_bytes, x_bytes, checked_product({G, split, w_elements, 4})}))
+        return false;
       break;
     }
   }

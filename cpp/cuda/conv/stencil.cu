@@ -4,7 +4,6 @@
 // geometry, their tile planning, and run_stencil, which picks among them and the pipelined
 // kernels of stencil_pipelined.cu.
 #include <algorithm>
-#include <climits>
 #include <cstdint>
 
 #include "common/launch.h"
@@ -328,10 +327,23 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
-// The unrolled kernels index planes and blocks in 32 bits.
+// stage_tile (every tile kernel) forms source positions in int: an output index times the
+// stride plus a tap's reach, minus the padding, plus a row of the tile. Otherwise the
+// global-memory kernel runs the problem.
+bool positions_fit_32_bits(const StencilGrid& G) {
+  const auto reach = [](const StencilAxis& a) {
+    return checked_add(checked_mul(a.out, a.stride), checked_mul(a.taps, a.dilation));
+  };
+  const int64_t rows = reach(G.rows), cols = reach(G.cols);
+  return rows >= 0 && cols >= 0 &&
+         int32_extents({rows, cols, G.rows.source, G.cols.source, G.rows.pad, -G.rows.pad,
+                        G.cols.pad, -G.cols.pad});
+}
+
+// The unrolled kernels also index planes, blocks and channels in 32 bits.
 bool fits_32_bits(const StencilGrid& G) {
-  return G.planes < INT_MAX && G.blocks < INT_MAX && G.rows.out < INT_MAX &&
-         G.cols.out < INT_MAX;
+  return positions_fit_32_bits(G) &&
+         int32_extents({G.planes, G.blocks, G.out_channels, G.in_channels});
 }
 
 // Whether a stencil's source rows are whole 16-byte vectors of T (stage_tile_vectors applies
@@ -456,7 +468,8 @@ ffi::Error run_stencil(cudaStream_t stream, const char* op, const T* source, con
     }
   }
   // Shrink the strips per tile until the shared tile fits.
-  for (int max_by = kMaxThreads; max_by >= 1; max_by /= 2) {
+  const bool tiles_apply = positions_fit_32_bits(G);
+  for (int max_by = kMaxThreads; max_by >= 1 && tiles_apply; max_by /= 2) {
     const TileShape t = choose_tile(G.rows.out, G.cols.out, kGenericRows, 1, max_by);
     const int64_t src_rows = (int64_t(t.by) * kGenericRows - 1) * G.rows.stride +
                              (G.rows.taps - 1) * G.rows.dilation + 1;

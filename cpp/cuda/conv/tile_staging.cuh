@@ -26,7 +26,8 @@ __device__ __forceinline__ int64_t sample_of(const StencilAxis& a, int64_t u) {
 // the columns (consecutive threads, consecutive columns: the loads coalesce and the stores hit
 // distinct banks) and walk rows, so the column tests are done once per thread; up to kInFlight
 // loads per thread are issued before any of their stores, so that a tile arrives in one memory
-// round trip where it can. Tile origins and extents fit in 32 bits.
+// round trip where it can. Tile origins and extents fit in 32 bits (the planners check:
+// stencil.cu's positions_fit_32_bits, plan_wgrad's int32_extents).
 template <int kInFlight, class S, class T>
 __device__ __forceinline__ void stage_tile(S* tile, const T* __restrict__ source,
                                            const StencilAxis& rows, const StencilAxis& cols,

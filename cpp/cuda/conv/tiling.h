@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 
 #include "jax_kernels/conv.h"
@@ -125,6 +126,16 @@ inline StripTile strip_tile(int bx, int by, int rows, int taps) {
   s.pitch = fit(min_pitch, rows, bx);
   s.stride = fit(s.rows * s.pitch, 1, bx * by);
   return s;
+}
+
+// Whether extents (and paddings) may be indexed in int by the unrolled kernels, which also form
+// sums of a few of them: a block index plus the grid (at most 2^30 blocks), a tile origin plus a
+// tile, a source position (origin minus padding) plus a tile row. Each below 2^29 keeps every
+// such sum below 2^31.
+inline bool int32_extents(std::initializer_list<int64_t> extents) {
+  for (int64_t e : extents)
+    if (e >= (int64_t(1) << 29)) return false;
+  return true;
 }
 
 inline bool aligned_to(const void* p, size_t bytes) {

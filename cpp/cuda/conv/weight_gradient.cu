@@ -5,7 +5,6 @@
 // other geometries a generic kernel. The bias gradient is one fixed-order block reduction per
 // (batch, filter).
 #include <algorithm>
-#include <climits>
 #include <cstdint>
 
 #include "common/launch.h"
@@ -56,11 +55,12 @@ template <class T>
 WgradPlan plan_wgrad(const ConvProblem& p) {
   using A = acc_t<T>;
   WgradPlan plan{};
-  const int64_t pairs = p.K * p.channels_per_group();
-  if (p.N == 0 || pairs == 0) return plan;
+  const int64_t pairs = checked_mul(p.K, p.channels_per_group());
+  if (p.N == 0 || pairs <= 0) return plan;
   plan.bz = 1;
   plan.taps = unrolled_taps(forward_rows(p), forward_cols(p));
-  const bool small = p.P < INT_MAX && p.Q < INT_MAX;
+  // The unrolled kernels index rows, columns and tiles in int.
+  const bool small = int32_extents({p.P, p.Q, p.H, p.W, p.pad_top, p.pad_left});
   if (plan.taps > 0 && small && is_half_type<T>()) {
     plan.kernel = WgradKernel::kMma;
     const int64_t tiles_y = ceil_div(p.P, 64);
@@ -83,6 +83,11 @@ WgradPlan plan_wgrad(const ConvProblem& p) {
                                         std::min<int64_t>(p.N, kSharedBytes / tile_bytes)));
     }
   }
+  if (plan.kernel != WgradKernel::kGeneric &&
+      !int32_extents({plan.tile.tiles_x * plan.tile.tiles_y})) {
+    plan.kernel = WgradKernel::kGeneric;
+    plan.bz = 1;
+  }
   const int64_t blocks = plan.kernel == WgradKernel::kMma      ? kWgradMmaBlocks
                         : plan.kernel == WgradKernel::kStrips ? kWgradStripBlocks
                                                               : kWgradBlocks;
@@ -96,8 +101,9 @@ WgradPlan plan_wgrad(const ConvProblem& p) {
 
 template <class T>
 int64_t wgrad_scratch_bytes(const ConvProblem& p) {
-  return plan_wgrad<T>(p).slices * p.K * p.channels_per_group() * p.R * p.S *
-         int64_t(sizeof(acc_t<T>));
+  const int64_t slice_bytes =
+      checked_product({p.K, p.channels_per_group(), p.R, p.S, int64_t(sizeof(acc_t<T>))});
+  return slice_bytes < 0 ? -1 : checked_mul(plan_wgrad<T>(p).slices, slice_bytes);
 }
 
 template int64_t wgrad_scratch_bytes<float16>(const ConvProblem&);
@@ -598,7 +604,8 @@ ffi::Error run_wgrad(cudaStream_t stream, const T* dy, const T* x, T* dw, const 
   const char* op = "conv2d wgrad";
   const int64_t count = p.K * p.channels_per_group() * p.R * p.S;
   if (count == 0) return ffi::Error::Success();
-  if (scratch_bytes < wgrad_scratch_bytes<T>(p))
+  const int64_t needed = wgrad_scratch_bytes<T>(p);
+  if (needed < 0 || scratch_bytes < needed)
     return ffi::Error::InvalidArgument("conv2d wgrad: scratch buffer too small");
   A* partial = static_cast<A*>(scratch);
   const WgradPlan plan = plan_wgrad<T>(p);

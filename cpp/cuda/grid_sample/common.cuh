@@ -16,6 +16,7 @@
 #include <initializer_list>
 #include <type_traits>
 
+#include "common/grid_stride.cuh"
 #include "common/launch.h"
 #include "common/radix_sort.cuh"
 #include "common/scratch.h"
@@ -93,7 +94,7 @@ __device__ __forceinline__ A tap_value(const T* __restrict__ plane, const Taps& 
 // Where the sorted path keeps its arrays in the scratch buffer (offsets from its aligned base).
 // Entries are (tap, point) pairs, tap-major: entry e = t * total_points + q. Keys are cells
 // m * cells + offset, or the sentinel batch * cells for a tap outside the input. Narrow problems
-// use 32-bit keys and indices.
+// use 32-bit keys and indices. total is -1 when the sizes cannot be represented.
 struct SortedLayout {
   bool narrow = true;
   int64_t entries = 0;
@@ -106,20 +107,27 @@ struct SortedLayout {
 inline SortedLayout sorted_layout(int64_t batch, int64_t points, int64_t taps, int64_t cells,
                            int acc_bytes) {
   SortedLayout l;
-  l.entries = batch * points * taps;
-  l.sentinel = batch * cells;
+  l.entries = checked_product({batch, points, taps});
+  l.sentinel = checked_product({batch, cells});
+  if (l.entries < 0 || l.sentinel < 0) {
+    l.total = -1;
+    return l;
+  }
   l.narrow = l.entries < (int64_t{1} << 31) && l.sentinel < (int64_t{1} << 31);
   const int64_t key_bytes = l.narrow ? 4 : 8;
   l.end_bit = key_bits(uint64_t(l.sentinel));
+  const int64_t key_array = checked_mul(l.entries, key_bytes);
+  const int64_t weight_array = checked_mul(l.entries, acc_bytes);
+  const int64_t bounds_array = checked_mul(l.sentinel, key_bytes);
   ScratchLayout layout;
-  l.keys[0] = layout.take(l.entries * key_bytes);
-  l.keys[1] = layout.take(l.entries * key_bytes);
-  l.values[0] = layout.take(l.entries * key_bytes);
-  l.values[1] = layout.take(l.entries * key_bytes);
-  l.weights = layout.take(l.entries * acc_bytes);
-  l.sorted_weights = layout.take(l.entries * acc_bytes);
-  l.starts = layout.take(l.sentinel * key_bytes);
-  l.ends = layout.take(l.sentinel * key_bytes);
+  l.keys[0] = layout.take(key_array);
+  l.keys[1] = layout.take(key_array);
+  l.values[0] = layout.take(key_array);
+  l.values[1] = layout.take(key_array);
+  l.weights = layout.take(weight_array);
+  l.sorted_weights = layout.take(weight_array);
+  l.starts = layout.take(bounds_array);
+  l.ends = layout.take(bounds_array);
   l.sort_temp_bytes = radix_sort_temp_bound(l.entries, l.end_bit);
   l.sort_temp = layout.take(l.sort_temp_bytes);
   l.total = layout.total();
@@ -142,8 +150,8 @@ __global__ void __launch_bounds__(kThreads)
                    const A* __restrict__ weights, Key* __restrict__ starts, Key* __restrict__ ends,
                    Key* __restrict__ sorted_points, A* __restrict__ sorted_weights, Key entries,
                    Key total_points, Key points, Key sentinel) {
-  const Key stride = Key(gridDim.x) * blockDim.x;
-  for (Key i = Key(blockIdx.x) * blockDim.x + threadIdx.x; i < entries; i += stride) {
+  const GridStride<Key> loop(entries, blockDim.x, threadIdx.x);
+  for (Key i = loop.first; i < entries; i = loop.next(i)) {
     const Key key = keys[i];
     if (key == sentinel) continue;  // out-of-input taps sort last
     if (i == 0 || keys[i - 1] != key) starts[key] = i;
@@ -165,15 +173,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   const GridSampleGeometry& g = call.geometry;
   const Index points = Index(g.points), channels = Index(g.channels), cells = Index(g.cells);
   const Index total = Index(g.batch) * cells;
-  const Index stride = Index(gridDim.x) * blockDim.x;
-  for (Index k = Index(blockIdx.x) * blockDim.x + threadIdx.x; k < total; k += stride) {
+  const Index group_step = Index(gridDim.y) * kGroup;
+  const GridStride<Index> loop(total, blockDim.x, threadIdx.x);
+  for (Index k = loop.first; k < total; k = loop.next(k)) {
     const Index m = k / cells;
     const Index cell = k - m * cells;
     const Index begin = Index(starts[k]);
     const Index end = Index(ends[k]);
     const T* d = dout + Index(call.dout_map(m)) * channels * points;
     T* result = d_input + m * channels * cells + cell;
-    for (Index c0 = Index(blockIdx.y) * kGroup; c0 < channels; c0 += Index(gridDim.y) * kGroup) {
+    for (Index c0 = Index(blockIdx.y) * kGroup; c0 < channels;
+         c0 = next_index(c0, group_step, channels)) {
       A sum[kGroup] = {};
       for (Index i = begin; i < end; ++i) {
         const T* row = d + c0 * points + Index(sorted_points[i]);
@@ -201,8 +211,8 @@ __global__ void __launch_bounds__(kThreads)
   const GridSampleGeometry& g = call.geometry;
   const Index points = Index(g.points), channels = Index(g.channels), cells = Index(g.cells);
   const Index total = Index(g.batch) * cells * channels;
-  const Index stride = Index(gridDim.x) * blockDim.x;
-  for (Index k = Index(blockIdx.x) * blockDim.x + threadIdx.x; k < total; k += stride) {
+  const GridStride<Index> loop(total, blockDim.x, threadIdx.x);
+  for (Index k = loop.first; k < total; k = loop.next(k)) {
     const Index cell = k / channels;  // m * cells + offset
     const Index c = k - cell * channels;
     const Index m = cell / cells;
@@ -286,14 +296,20 @@ ffi::Error sorted_scatter(cudaStream_t stream, const char* op, const GridSampleC
 
 // ---- index width ----------------------------------------------------------------------------
 
-// Whether every index the kernels form fits in 32 bits for these operand batch sizes.
+// Whether every index the kernels form fits in 32 bits for these operand batch sizes: the
+// extents and offsets below 2^31, and so the channel loops' indices, which step at most
+// kMaxChannelsLastSlices past the channel count (the loops over points and cells cannot
+// overflow: GridStride and next_index stop at their end).
 inline bool fits_32_bits(const GridSampleCall& call, std::initializer_list<int64_t> operand_elements) {
   const GridSampleGeometry& g = call.geometry;
-  const int64_t limit = int64_t{1} << 31;
-  int64_t largest = std::max({g.batch * g.channels * g.cells, g.batch * g.channels * g.points,
-                              g.batch * g.points * 3});
-  for (int64_t e : operand_elements) largest = std::max(largest, e);
-  return largest < limit;
+  const int64_t limit = (int64_t{1} << 31) - kMaxChannelsLastSlices;
+  bool fits = true;
+  for (int64_t e : {checked_product({g.batch, g.channels, g.cells}),
+                    checked_product({g.batch, g.channels, g.points}),
+                    checked_product({g.batch, g.points, 3})})
+    fits = fits && e >= 0 && e < limit;
+  for (int64_t e : operand_elements) fits = fits && e < limit;
+  return fits;
 }
 
 // Calls f(int32_t{}) or f(int64_t{}).

@@ -16,6 +16,7 @@
 #include <string>
 #include <type_traits>
 
+#include "common/grid_stride.cuh"
 #include "common/launch.h"
 #include "common/radix_sort.cuh"
 #include "common/scratch.h"
@@ -64,8 +65,8 @@ __global__ void __launch_bounds__(kThreads)
   const Index points = Index(g.points), channels = Index(g.channels), cells = Index(g.cells);
   const RowLayout<kLayout, Index> in_row{channels, cells}, out_row{channels, points};
   const Index total = Index(g.batch) * points;
-  const Index stride = Index(gridDim.x) * L::points();
-  for (Index q = Index(blockIdx.x) * L::points() + L::point(); q < total; q += stride) {
+  const GridStride<Index> loop(total, L::points(), L::point());
+  for (Index q = loop.first; q < total; q = loop.next(q)) {
     const Index m = q / points;
     const Index p = q - m * points;
     Taps taps;
@@ -97,8 +98,8 @@ __global__ void __launch_bounds__(kThreads)
   const GridSampleGeometry& g = call.geometry;
   const Index points = Index(g.points), channels = Index(g.channels), cells = Index(g.cells);
   const Index total = Index(g.batch) * points;
-  const Index stride = Index(gridDim.x) * blockDim.x;
-  for (Index q = Index(blockIdx.x) * blockDim.x + threadIdx.x; q < total; q += stride) {
+  const GridStride<Index> loop(total, blockDim.x, threadIdx.x);
+  for (Index q = loop.first; q < total; q = loop.next(q)) {
     const Index m = q / points;
     const Index p = q - m * points;
     A coord[kDims], along_u[kDims];
@@ -142,8 +143,8 @@ __global__ void __launch_bounds__(kThreads)
   const GridSampleGeometry& g = call.geometry;
   const Index points = Index(g.points), cells = Index(g.cells);
   const Index total = Index(g.batch) * points;
-  const Index stride = Index(gridDim.x) * blockDim.x;
-  for (Index q = Index(blockIdx.x) * blockDim.x + threadIdx.x; q < total; q += stride) {
+  const GridStride<Index> loop(total, blockDim.x, threadIdx.x);
+  for (Index q = loop.first; q < total; q = loop.next(q)) {
     const Index m = q / points;
     const Index p = q - m * points;
     Taps taps;
@@ -299,7 +300,7 @@ ffi::Error grid_sample_backward_input_directional(cudaStream_t stream, ffi::AnyB
     using A = acc_t<T>;
     const int taps = taps_per_point(call.mode, g.dims);
     const SortedLayout layout = sorted_layout(g.batch, g.points, taps, g.cells, int(sizeof(A)));
-    if (int64_t(scratch->size_bytes()) < layout.total)
+    if (layout.total < 0 || int64_t(scratch->size_bytes()) < layout.total)
       return ffi::Error::InvalidArgument(std::string(op) + ": scratch of " +
                                          std::to_string(scratch->size_bytes()) + " bytes, need " +
                                          std::to_string(layout.total));

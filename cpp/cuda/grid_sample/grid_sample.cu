@@ -27,6 +27,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/grid_stride.cuh"
 #include "common/launch.h"
 #include "common/radix_sort.cuh"
 #include "common/scratch.h"
@@ -74,8 +75,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   const Index points = Index(g.points), channels = Index(g.channels), cells = Index(g.cells);
   const RowLayout<kLayout, Index> in_row{channels, cells}, out_row{channels, points};
   const Index total = Index(g.batch) * points;
-  const Index stride = Index(gridDim.x) * L::points();
-  for (Index q = Index(blockIdx.x) * L::points() + L::point(); q < total; q += stride) {
+  const GridStride<Index> loop(total, L::points(), L::point());
+  for (Index q = loop.first; q < total; q = loop.next(q)) {
     const Index m = q / points;
     const Index p = q - m * points;
     A coord[kDims];
@@ -119,10 +120,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   const Index per_block = L::points();
   const unsigned slices = L::slices(), slice = L::slice(), lane = L::point();
   // Block-uniform loop: every thread reaches the barriers.
-  const Index block_stride = Index(gridDim.x) * per_block;
-  for (Index base = Index(blockIdx.x) * per_block; base < total; base += block_stride) {
-    const Index q = base + lane;
-    const bool active = q < total;
+  const GridStride<Index> blocks(total, unsigned(per_block), 0);
+  for (Index base = blocks.first; base < total; base = blocks.next(base)) {
+    const bool active = Index(lane) < total - base;
+    const Index q = active ? base + Index(lane) : base;
     A sums[kDims] = {};
     if (active) {
       const Index m = q / points;
@@ -182,8 +183,8 @@ __global__ void __launch_bounds__(kThreads)
   const Index points = Index(g.points), channels = Index(g.channels), cells = Index(g.cells);
   const RowLayout<kLayout, Index> in_row{channels, cells}, out_row{channels, points};
   const Index total = Index(g.batch) * points;
-  const Index stride = Index(gridDim.x) * L::points();
-  for (Index q = Index(blockIdx.x) * L::points() + L::point(); q < total; q += stride) {
+  const GridStride<Index> loop(total, L::points(), L::point());
+  for (Index q = loop.first; q < total; q = loop.next(q)) {
     const Index m = q / points;
     const Index p = q - m * points;
     A coord[kDims];
@@ -210,14 +211,16 @@ __global__ void __launch_bounds__(kThreads)
 // `mode` (GridSampleMode), `element_bytes` and `deterministic`. The half types and
 // deterministic=True take the sorted path; the atomic path needs none. The directional d_input
 // pass (directional.cu) always takes the sorted path: its size is this with deterministic=1.
+// kSizeOverflow when the size cannot be represented.
 int64_t backward_input_scratch_query(const QueryArgs& a) {
   const int64_t batch = a["batch"], points = a["points"], cells = a["cells"];
   const int64_t taps = taps_per_point(GridSampleMode(a["mode"]), a["dims"]);
   const int64_t element_bytes = a["element_bytes"];
   const bool deterministic = a["deterministic"] != 0;
   if (!(deterministic || element_bytes == 2)) return 0;
-  if (batch * points * taps == 0 || cells == 0) return 0;
-  return sorted_layout(batch, points, taps, cells, element_bytes == 8 ? 8 : 4).total;
+  if (batch == 0 || points == 0 || cells == 0) return 0;
+  const int64_t total = sorted_layout(batch, points, taps, cells, element_bytes == 8 ? 8 : 4).total;
+  return total < 0 ? kSizeOverflow : total;
 }
 
 template <class T, class Key, class Index, GridSampleMode kMode, int kDims>
@@ -230,8 +233,8 @@ __global__ void __launch_bounds__(kThreads)
   const GridSampleGeometry& g = call.geometry;
   const Index points = Index(g.points), cells = Index(g.cells);
   const Index total = Index(g.batch) * points;
-  const Index stride = Index(gridDim.x) * blockDim.x;
-  for (Index q = Index(blockIdx.x) * blockDim.x + threadIdx.x; q < total; q += stride) {
+  const GridStride<Index> loop(total, blockDim.x, threadIdx.x);
+  for (Index q = loop.first; q < total; q = loop.next(q)) {
     const Index m = q / points;
     const Index p = q - m * points;
     A coord[kDims];
@@ -375,7 +378,7 @@ ffi::Error grid_sample_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, 
     }
     const int taps = taps_per_point(call.mode, g.dims);
     const SortedLayout layout = sorted_layout(g.batch, g.points, taps, g.cells, int(sizeof(A)));
-    if (int64_t(scratch->size_bytes()) < layout.total)
+    if (layout.total < 0 || int64_t(scratch->size_bytes()) < layout.total)
       return ffi::Error::InvalidArgument(std::string(op) + ": scratch of " +
                                          std::to_string(scratch->size_bytes()) + " bytes, need " +
                                          std::to_string(layout.total));

@@ -159,11 +159,16 @@ struct ColumnEntry {
 // box, at most: each valid sample weights at most two indices. A fixed grid has bins * ratio
 // samples; an adaptive one (ratio <= 0) has one per bin when bins are under a pixel, else samples
 // at most a pixel apart, of which at most 2 * extent + 11 are candidates (RoiAxis::candidates
-// widens [-1, extent] by up to a pixel a side and adds 5).
+// widens [-1, extent] by up to a pixel a side and adds 5). -1 when that cannot be represented.
 int64_t axis_pair_capacity(int64_t bins, int64_t extent, int64_t sampling_ratio) {
-  const int64_t samples =
-      sampling_ratio > 0 ? bins * sampling_ratio : std::max(bins, 2 * extent + 13);
-  return std::min(bins * extent, 2 * samples);
+  const auto smaller = [](int64_t a, int64_t b) {  // of two checked sizes; -1 is the larger
+    return a < 0 ? b : b < 0 ? a : std::min(a, b);
+  };
+  const int64_t adaptive = checked_add(checked_mul(2, extent), 13);
+  const int64_t samples = sampling_ratio > 0 ? checked_mul(bins, sampling_ratio)
+                          : adaptive < 0     ? -1
+                                             : std::max(bins, adaptive);
+  return smaller(checked_mul(bins, extent), checked_mul(2, samples));
 }
 
 // Where each piece of the deterministic backward lives in the scratch buffer.
@@ -178,31 +183,34 @@ struct GatherLayout {
 
 // The layout of a problem with `element_bytes`-byte elements, with room for the output gradient
 // staged channel-minor when `staged` (NCHW calls); false if its indices do not fit the 32-bit
-// entries and sort.
+// entries and sort. total is -1 when the bytes cannot be represented (sizes in checked
+// arithmetic: the query may describe a problem no memory holds).
 bool gather_layout(int64_t N, int64_t C, int64_t H, int64_t W, int64_t K, int64_t PH, int64_t PW,
                    int64_t sampling_ratio, int64_t element_bytes, bool staged, GatherLayout* s) {
   constexpr int64_t kLimit = int64_t(1) << 31;
   s->row_capacity = axis_pair_capacity(PH, H, sampling_ratio);
   s->column_capacity = axis_pair_capacity(PW, W, sampling_ratio);
-  s->entries = K * s->row_capacity;
-  if (s->entries >= kLimit || N * H >= (int64_t(1) << 32) - 1 || K * PH * PW >= kLimit ||
-      W >= kLimit || s->column_capacity >= kLimit)
+  s->entries = checked_mul(K, s->row_capacity);
+  const int64_t rows = checked_mul(N, H), bins = checked_product({K, PH, PW});
+  if (s->entries < 0 || s->entries >= kLimit || rows < 0 || rows >= (int64_t(1) << 32) - 1 ||
+      bins < 0 || bins >= kLimit || W >= kLimit || s->column_capacity < 0 ||
+      s->column_capacity >= kLimit)
     return false;
   const bool wide = element_bytes == 8;  // float64: double weights
   const int64_t row_bytes = wide ? sizeof(RowEntry<double>) : sizeof(RowEntry<float>);
   const int64_t column_bytes = wide ? sizeof(ColumnEntry<double>) : sizeof(ColumnEntry<float>);
   ScratchLayout layout;
-  s->dout = layout.take(staged ? K * C * PH * PW * element_bytes : 0);
+  s->dout = layout.take(staged ? checked_product({bins, C, element_bytes}) : 0);
   s->keys_in = layout.take(s->entries * 4);
   s->keys_out = layout.take(s->entries * 4);
   s->values_in = layout.take(s->entries * 4);
   s->values_out = layout.take(s->entries * 4);
   s->rows = layout.take(s->entries * row_bytes);
   s->sorted_rows = layout.take(s->entries * row_bytes);
-  s->column_offsets = layout.take(K * (W + 1) * 4);
-  s->columns = layout.take(K * s->column_capacity * column_bytes);
-  s->row_offsets = layout.take((N * H + 1) * 4);
-  s->end_bit = key_bits(uint64_t(N * H));  // keys in [0, N * H], N * H for no row
+  s->column_offsets = layout.take(checked_product({K, W + 1, 4}));
+  s->columns = layout.take(checked_product({K, s->column_capacity, column_bytes}));
+  s->row_offsets = layout.take((rows + 1) * 4);
+  s->end_bit = key_bits(uint64_t(rows));  // keys in [0, N * H], N * H for no row
   s->sort_temp_bytes = radix_sort_temp_bound(s->entries, s->end_bit);
   s->sort_temp = layout.take(s->sort_temp_bytes);
   s->total = layout.total();
@@ -216,7 +224,8 @@ bool atomic_backward_input(bool deterministic, int64_t element_bytes) {
 }
 
 // Host queries "roi_align_backward_input_scratch" and "roi_align_nhwc_backward_input_scratch":
-// the scratch bytes of the d_input pass, or -1 if its indices do not fit the 32-bit sort.
+// the scratch bytes of the d_input pass, -1 if its indices do not fit the 32-bit sort,
+// kSizeOverflow if its bytes cannot be represented.
 // Arguments: the folded call's N, C, H, W, `boxes` (K), pooled_height, pooled_width,
 // sampling_ratio, element_bytes and deterministic.
 template <class Layout>
@@ -228,7 +237,7 @@ int64_t backward_input_scratch_query(const QueryArgs& a) {
   GatherLayout s;
   if (!gather_layout(N, C, H, W, K, PH, PW, ratio, element_bytes, !Layout::kChannelsLast, &s))
     return -1;
-  return s.total;
+  return s.total < 0 ? kSizeOverflow : s.total;
 }
 
 __device__ __forceinline__ int64_t warp_exclusive_sum(int64_t value, int64_t* total) {
@@ -625,7 +634,7 @@ ffi::Error roi_align_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, ff
                      int64_t(ffi::ByteWidth(dout.element_type())), !Layout::kChannelsLast,
                      &layout))
     return ffi::Error::InvalidArgument("roi_align backward: too many row entries for the sort");
-  if (int64_t(scratch->size_bytes()) < layout.total)
+  if (layout.total < 0 || int64_t(scratch->size_bytes()) < layout.total)
     return ffi::Error::InvalidArgument(
         "roi_align backward: scratch buffer smaller than the query's size");
   char* base = aligned_scratch(scratch->untyped_data());

@@ -146,7 +146,10 @@ void transpose(const T* in, T* out, int64_t batch, int64_t rows, int64_t cols,
   const int64_t row_tiles = (rows + 63) / 64, col_tiles = (cols + 31) / 32;
   if (batch * row_tiles * col_tiles == 0) return;
   const dim3 grid(unsigned(col_tiles), unsigned(std::min<int64_t>(batch * row_tiles, 65535)));
-  if (batch * rows * cols < (int64_t(1) << 31))
+  // 32-bit indices when the elements and the tiles' row and column indices (up to the rounded
+  // up extents) all stay below 2^31.
+  constexpr int64_t kLimit = int64_t(1) << 31;
+  if (batch * rows * cols < kLimit && row_tiles * 64 < kLimit && col_tiles * 32 < kLimit)
     roi_align_transpose_kernel<T, int32_t><<<grid, dim3(32, 8), 0, stream>>>(
         in, out, int32_t(rows), int32_t(cols), int32_t(row_tiles), int32_t(batch * row_tiles));
   else

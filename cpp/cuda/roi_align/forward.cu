@@ -179,16 +179,19 @@ struct ForwardLayout {
   int end_bit = 0;
 };
 
+// false if the box sort's keys do not fit 32 bits; total is -1 when the bytes cannot be
+// represented.
 bool forward_layout(int64_t N, int64_t C, int64_t H, int64_t W, int64_t K, int64_t element_bytes,
                     bool staged, ForwardLayout* s) {
-  if (K >= (int64_t(1) << 31) || N * H >= (int64_t(1) << 32) - 1) return false;
+  const int64_t rows = checked_mul(N, H);
+  if (K >= (int64_t(1) << 31) || rows < 0 || rows >= (int64_t(1) << 32) - 1) return false;
   ScratchLayout layout;
-  s->nhwc = layout.take(staged ? N * C * H * W * element_bytes : 0);
+  s->nhwc = layout.take(staged ? checked_product({N, C, H, W, element_bytes}) : 0);
   s->keys_in = layout.take(K * 4);
   s->keys_out = layout.take(K * 4);
   s->values_in = layout.take(K * 4);
   s->values_out = layout.take(K * 4);
-  s->end_bit = key_bits(uint64_t(N * H));  // keys in [0, N * H]
+  s->end_bit = key_bits(uint64_t(rows));  // keys in [0, N * H]
   s->sort_temp_bytes = radix_sort_temp_bound(K, s->end_bit);
   s->sort_temp = layout.take(s->sort_temp_bytes);
   s->total = layout.total();
@@ -214,15 +217,15 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Host queries "roi_align_forward_scratch" and "roi_align_nhwc_forward_scratch": the bytes of
-// the forward's scratch, or -1 if the box sort's keys do not fit 32 bits. Arguments: N, C, H, W,
-// `boxes` (K) and element_bytes.
+// the forward's scratch, -1 if the box sort's keys do not fit 32 bits, kSizeOverflow if the
+// bytes cannot be represented. Arguments: N, C, H, W, `boxes` (K) and element_bytes.
 template <class Layout>
 int64_t forward_scratch_query(const QueryArgs& a) {
   ForwardLayout s;
   if (!forward_layout(a["N"], a["C"], a["H"], a["W"], a["boxes"], a["element_bytes"],
                       !Layout::kChannelsLast, &s))
     return -1;
-  return s.total;
+  return s.total < 0 ? kSizeOverflow : s.total;
 }
 
 // ---- handler -----------------------------------------------------------------------------------
@@ -240,7 +243,7 @@ ffi::Error roi_align_forward(cudaStream_t stream, ffi::AnyBuffer input, ffi::Any
   if (!forward_layout(p.N, p.C, p.H, p.W, p.K, int64_t(ffi::ByteWidth(input.element_type())),
                       !Layout::kChannelsLast, &layout))
     return ffi::Error::InvalidArgument("roi_align: too many boxes or rows for the box sort");
-  if (int64_t(scratch->size_bytes()) < layout.total)
+  if (layout.total < 0 || int64_t(scratch->size_bytes()) < layout.total)
     return ffi::Error::InvalidArgument("roi_align: scratch buffer smaller than the query's size");
   char* base = aligned_scratch(scratch->untyped_data());
   return dispatch_float(input.element_type(), op, [&](auto tag) -> ffi::Error {

@@ -93,6 +93,11 @@ struct QueryRecord {
   int64_t (*function)(const QueryArgs& arguments);
 };
 
+// What a host query returns for a problem whose size no int64 describes (a shape traced with
+// jax.eval_shape or jax.export needs no memory): the Python side raises a ValueError naming the
+// op. Exported to Python as `size_overflow` (module_util.h); -1 stays a query's own refusal.
+constexpr int64_t kSizeOverflow = -2;
+
 inline std::vector<QueryRecord>& query_registry() {
   static std::vector<QueryRecord> registry;
   return registry;

@@ -1,6 +1,7 @@
 // What both nanobind modules expose: registrations() -> {target name: capsule}; records() ->
 // [(target, op, pass, backend, determinism)] for capabilities(); query(name, {argument: int})
-// for the host functions registered with JK_REGISTER_QUERY; and `enums`, the codes of the enum
+// for the host functions registered with JK_REGISTER_QUERY and `size_overflow`, the result of
+// one whose sizes no int64 describes (kSizeOverflow); and `enums`, the codes of the enum
 // attributes the Python side passes ({enum: {name: code}}), so that they are written once, here
 // and in the math headers.
 #pragma once
@@ -73,6 +74,7 @@ inline void define_registry_functions(nanobind::module_& m) {
     }
     throw std::invalid_argument("jax_kernels: no host query named " + name);
   });
+  m.attr("size_overflow") = kSizeOverflow;
   m.attr("enums") = enum_codes();
 }
 
