@@ -12,7 +12,9 @@ written once, in C++).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +115,24 @@ def call(
         *args, **attributes)
 
 
+# The platforms of the lowering in progress (set by the primitives' lowering rule), so that a
+# program lowered for the CPU alone never traces the CUDA branch, whose scratch query may refuse
+# a problem that only the CUDA kernels cannot take.
+_LOWERING_PLATFORMS: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
+    "jax_kernels_lowering_platforms", default=None)
+
+
+@contextlib.contextmanager
+def lowering_for(platforms: Sequence[str] | None) -> Iterator[None]:
+    """Within this block, :func:`call_with_cuda_scratch` emits only the branches of
+    ``platforms`` (None: unknown, every branch)."""
+    token = _LOWERING_PLATFORMS.set(None if platforms is None else tuple(platforms))
+    try:
+        yield
+    finally:
+        _LOWERING_PLATFORMS.reset(token)
+
+
 def call_with_cuda_scratch(
     target: str,
     result: jax.ShapeDtypeStruct,
@@ -137,7 +157,10 @@ def call_with_cuda_scratch(
             return with_scratch(0)(*args)
         return call(target, result, *args, **attributes)
 
-    if not CUDA_BUILT:
+    platforms = _LOWERING_PLATFORMS.get()
+    if not CUDA_BUILT or (platforms is not None and "cuda" not in platforms):
         return on_cpu(*args)
+    if platforms == ("cuda",):
+        return with_scratch(scratch_bytes())(*args)
     return jax.lax.platform_dependent(*args, default=on_cpu,
                                       cuda=lambda *a: with_scratch(scratch_bytes())(*a))

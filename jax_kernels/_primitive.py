@@ -26,7 +26,7 @@ from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _sharding
+from . import _ffi, _sharding
 
 UndefinedPrimal = ad.UndefinedPrimal
 
@@ -132,13 +132,14 @@ class Kernel:
         return ShapedArray(tuple(shape), dtype)
 
     def _lowering(self, ctx, *operands, **params):
-        if self._sharding is not None and _sharding.partitionable(ctx):
-            spec = self._sharding(*ctx.avals_in, **params)
-            if spec is not None:
-                function = _sharding.partitioned(self._emit, params, ctx.avals_in,
-                                                 ctx.avals_out[0], spec)
-                return mlir.lower_fun(function, multiple_results=False)(ctx, *operands)
-        return mlir.lower_fun(self._emit, multiple_results=False)(ctx, *operands, **params)
+        with _ffi.lowering_for(getattr(ctx.module_context, "platforms", None)):
+            if self._sharding is not None and _sharding.partitionable(ctx):
+                spec = self._sharding(*ctx.avals_in, **params)
+                if spec is not None:
+                    function = _sharding.partitioned(self._emit, params, ctx.avals_in,
+                                                     ctx.avals_out[0], spec)
+                    return mlir.lower_fun(function, multiple_results=False)(ctx, *operands)
+            return mlir.lower_fun(self._emit, multiple_results=False)(ctx, *operands, **params)
 
     def _eager(self, *operands: Any, **params: Any) -> jax.Array:
         return _compiled(self, tuple(sorted(params.items())))(*operands)

@@ -284,3 +284,34 @@ def test_cuda_handlers_in_command_buffers(tmp_path):
     plain, graphs = outputs["plain"], outputs["graphs"]
     for key in plain.files:
         np.testing.assert_array_equal(graphs[key], plain[key])
+
+
+def test_cpu_lowering_never_traces_the_cuda_branch(monkeypatch):
+    """A CUDA scratch query may refuse a problem only the CUDA kernels cannot take (their sort
+    limits). A program lowered for the CPU alone must not ask it: where the CUDA module was
+    built, every lowering traced the CUDA branch too and raised for CPU programs. Lowered for
+    both platforms (jax.export), the CUDA branch is still traced and its refusal raised."""
+    asked = []
+
+    def refusing_query(name, platform="cuda", **arguments):
+        asked.append(name)
+        raise ValueError("a CUDA-only limit")
+
+    monkeypatch.setattr(_ffi, "CUDA_BUILT", True)
+    monkeypatch.setattr(_ffi, "query", refusing_query)
+    x = jnp.ones((1, 2, 8, 8))
+    boxes = jnp.array([[0, 1.0, 1.0, 5.0, 5.0]])
+    grid = jnp.zeros((1, 3, 3, 2))
+
+    def f(x, boxes, grid):
+        pooled = jax.grad(lambda x: jk.roi_align(x, boxes, 2).sum())(x)
+        sampled = jax.grad(lambda x: jk.grid_sample(x, grid).sum())(x)
+        return pooled + sampled + jk.conv2d(x, jnp.ones((2, 2, 3, 3)), padding=1)
+
+    cpu = jax.devices("cpu")[0]
+    args = [jax.device_put(a, cpu) for a in (x, boxes, grid)]
+    expected = jax.jit(f).lower(*args).compile()(*args)
+    assert asked == [] and expected.shape == x.shape
+    with pytest.raises(ValueError, match="a CUDA-only limit"):
+        jax.export.export(jax.jit(f), platforms=("cpu", "cuda"))(*args)
+    assert asked
