@@ -144,7 +144,8 @@ class _Attrs:
 
 def _layout(data_format: Any) -> str:
     if not isinstance(data_format, str):
-        raise TypeError(f"{_OP}(): data_format must be 'NCHW' or 'NHWC', got {data_format!r}")
+        raise TypeError(f"{_OP}(): data_format must be a string ('NCHW' or 'NHWC'), got "
+                        f"{type(data_format).__name__} {data_format!r}")
     if data_format not in ("NCHW", "NHWC"):
         raise ValueError(f"{_OP}(): data_format must be 'NCHW' or 'NHWC', got {data_format!r}")
     return data_format
@@ -265,7 +266,9 @@ def _make_conv(x_shape, w_shape, b_shape, stride, padding, dilation, groups, pre
         raise ValueError(f"{_OP}(): expected weight of shape {expected}, got {tuple(w_shape)}")
     N, C, H, W = _x_dims(x_shape, layout)
     K, Cg, R, S = _w_dims(w_shape, layout)
-    groups = _int("groups", groups)
+    if isinstance(groups, (bool, np.bool_)) or not isinstance(groups, (int, np.integer)):
+        raise TypeError(f"{_OP}(): `groups` must be an int, got {groups!r}")
+    groups = int(groups)
     if groups <= 0:
         raise ValueError(f"{_OP}(): groups must be positive, got {groups}")
     stride = _pair("stride", stride)
@@ -292,11 +295,13 @@ def _make_conv(x_shape, w_shape, b_shape, stride, padding, dilation, groups, pre
         raise ValueError(f"{_OP}(): the kernel spans {span} (size {(R, S)}, dilation "
                          f"{dilation}), larger than the padded input {padded}; {shapes}, "
                          f"padding (top, bottom, left, right) {pads}")
+    precisions = f"precision must be None, 'default' or 'highest', got {precision!r}"
+    if precision is not None and not isinstance(precision, (str, jax.lax.Precision)):
+        raise TypeError(f"{_OP}(): {precisions}")
     try:
         precision_code = _ffi.ENUMS["ConvPrecision"][_PRECISIONS[precision]]
-    except (KeyError, TypeError):
-        raise ValueError(f"{_OP}(): precision must be None, 'default' or 'highest', got "
-                         f"{precision!r}") from None
+    except KeyError:
+        raise ValueError(f"{_OP}(): {precisions}") from None
     return _Attrs(stride, pads, dilation, groups, precision_code, layout)
 
 

@@ -90,10 +90,10 @@ _DATA_FORMATS = {"NCHW": (False, None), "NHWC": (True, None), "NCDHW": (False, 5
 def _check_data_format(data_format, rank: int) -> bool:
     """Whether `data_format` is channels-last, for an input of `rank` dimensions."""
     if not isinstance(data_format, str):
-        raise TypeError("grid_sample(): expected data_format to be a string ('NCHW' or 'NHWC'), "
-                        f"got {type(data_format).__name__} {data_format!r}")
+        raise TypeError("grid_sample(): data_format must be a string ('NCHW' or 'NHWC'), got "
+                        f"{type(data_format).__name__} {data_format!r}")
     if data_format not in _DATA_FORMATS:
-        raise ValueError("grid_sample(): expected data_format to be 'NCHW' or 'NHWC' ('NCDHW' or "
+        raise ValueError("grid_sample(): data_format must be 'NCHW' or 'NHWC' ('NCDHW' or "
                          f"'NDHWC' for a 5-D input), got {data_format!r}")
     channels_last, required_rank = _DATA_FORMATS[data_format]
     if required_rank is not None and rank != required_rank:
@@ -105,12 +105,17 @@ def _check_data_format(data_format, rank: int) -> bool:
 def _check(input, grid, mode, padding_mode, align_corners, deterministic,
            data_format) -> _Attrs:
     check_float_dtypes("grid_sample", input=input, grid=grid)
-    if not isinstance(mode, str) or mode not in _MODES:
-        raise ValueError(
-            f"grid_sample(): expected mode to be 'bilinear', 'nearest' or 'bicubic', got {mode!r}")
-    if not isinstance(padding_mode, str) or padding_mode not in _PADDINGS:
-        raise ValueError("grid_sample(): expected padding_mode to be 'zeros', 'border' or "
-                         f"'reflection', got {padding_mode!r}")
+    modes = f"expected mode to be 'bilinear', 'nearest' or 'bicubic', got {mode!r}"
+    if not isinstance(mode, str):
+        raise TypeError(f"grid_sample(): {modes}")
+    if mode not in _MODES:
+        raise ValueError(f"grid_sample(): {modes}")
+    paddings = ("expected padding_mode to be 'zeros', 'border' or 'reflection', got "
+                f"{padding_mode!r}")
+    if not isinstance(padding_mode, str):
+        raise TypeError(f"grid_sample(): {paddings}")
+    if padding_mode not in _PADDINGS:
+        raise ValueError(f"grid_sample(): {paddings}")
     if align_corners is None:
         align_corners = False
     check_bool("grid_sample", "align_corners", align_corners)

@@ -47,7 +47,8 @@ def _check_repeats(x: jax.Array, repeats: Any) -> tuple[int, ...]:
     try:
         repeats = tuple(operator.index(r) for r in repeats)
     except TypeError:
-        raise TypeError(f"repeat(): `repeats` must be a sequence of ints, got {repeats!r}") from None
+        raise TypeError(f"repeat(): `repeats` must be an int or a sequence of ints, got "
+                        f"{repeats!r}") from None
     if len(repeats) < x.ndim:
         raise ValueError(
             f"repeat(): len(repeats) ({len(repeats)}) can not be smaller than the number of "

@@ -66,8 +66,8 @@ class _Batching(NamedTuple):
         """The map after folding a mapped axis of size ``axis_size`` in front of ``boxes`` rows
         and ``images`` images."""
         if len(self.terms) == _MAX_BATCH_TERMS:
-            raise ValueError(f"roi_align(): at most {_MAX_BATCH_TERMS} nested vmaps over the input "
-                             "are supported")
+            raise ValueError(f"roi_align(): at most {_MAX_BATCH_TERMS} nested vmaps are "
+                             "supported (of the input, or of the boxes in an input gradient)")
         return _Batching(self.images, self.terms + ((max(boxes, 1), axis_size, images),))
 
 
@@ -118,8 +118,8 @@ _IMAGE_SHAPE = {False: "(N, C, H, W)", True: "(N, H, W, C)"}
 
 def _channels_last(data_format: Any) -> bool:
     if not isinstance(data_format, str):
-        raise TypeError("roi_align(): data_format must be a string, 'NCHW' or 'NHWC', got "
-                        f"{type(data_format).__name__}")
+        raise TypeError("roi_align(): data_format must be a string ('NCHW' or 'NHWC'), got "
+                        f"{type(data_format).__name__} {data_format!r}")
     if data_format not in ("NCHW", "NHWC"):
         raise ValueError(f"roi_align(): data_format must be 'NCHW' or 'NHWC', got {data_format!r}")
     return data_format == "NHWC"
@@ -160,8 +160,11 @@ def _output_size(output_size: Any) -> tuple[int, int]:
         except TypeError:
             raise TypeError("roi_align(): output_size must be an int or a pair of ints, got "
                             f"{output_size!r}") from None
-    if len(size) != 2 or min(size) < 1:
-        raise ValueError(f"roi_align(): output_size must be positive (h, w), got {output_size!r}")
+    if len(size) != 2:
+        raise ValueError("roi_align(): output_size must be an int or a pair of ints, got "
+                         f"{output_size!r}")
+    if min(size) < 1:
+        raise ValueError(f"roi_align(): output_size must be positive, got {output_size!r}")
     return size
 
 

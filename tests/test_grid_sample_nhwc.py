@@ -206,10 +206,10 @@ def test_data_format_errors():
     with pytest.raises(ValueError, match=r"grid_sample\(\): data_format 'NDHWC' is for a 5-D"):
         jk.grid_sample(to_last(x), grid, data_format="NDHWC")
     for bad in ("nhwc", "NWHC", "CHW", ""):
-        with pytest.raises(ValueError, match=r"grid_sample\(\): expected data_format"):
+        with pytest.raises(ValueError, match=r"grid_sample\(\): data_format must be"):
             jk.grid_sample(x, grid, data_format=bad)
     for bad in (None, 1, ("NHWC",)):
-        with pytest.raises(TypeError, match=r"grid_sample\(\): expected data_format"):
+        with pytest.raises(TypeError, match=r"grid_sample\(\): data_format must be a string"):
             jk.grid_sample(x, grid, data_format=bad)
     with pytest.raises(TypeError):
         jk.grid_sample(x, grid, "bilinear", "zeros", False, True, "NHWC")  # keyword-only
