@@ -220,6 +220,40 @@ def test_large_adaptive_box_visits_only_inside_samples():
     assert_close(out, reference(x, boxes, 2, 1.0, -1, False), jnp.float64)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("aligned", [False, True])
+def test_forward_bands_chunks_and_box_groups(dtype, aligned):
+    """The CPU forward packs 64-byte chunks of channels (16 float32, 8 float64) of an image a band
+    of rows at a time (about 256 KiB), adds each box's sample rows band after band to its bins'
+    sums, in groups of boxes (4 MiB of sums), and computes the other boxes from the input in place
+    (reversed boxes with aligned=True; every box of an image where the bands would pack more cells
+    than its boxes read taps). Here: several bands, chunks with a tail of channels, two groups of
+    boxes on image 0; image 1 is a copy of image 0 holding one box that covers it, computed in
+    place, whose twin on image 0 is banded: the two agree bitwise, every box equals the float64
+    reference, and the channels-last form equals the NCHW form bitwise."""
+    height, width, channels, size = 70, 300, 21, (32, 32)
+    image = random(5, (1, channels, height, width), dtype)
+    x = jnp.concatenate([image, image])
+    # Corners and sizes that put every sample position on a grid of 1/8 pixel, which float32
+    # holds exactly at these coordinates (off it, rounded positions would move float32 samples
+    # by more than the tolerance from the float64 reference's).
+    rng = np.random.default_rng(6)
+    count = 70
+    x1, y1 = rng.integers(-20, width, count), rng.integers(-10, height, count)
+    x2, y2 = x1 + 16 * rng.integers(1, 13, count), y1 + 16 * rng.integers(1, 5, count)
+    rows = np.stack([np.zeros(count), x1, y1, x2, y2], axis=1).astype(np.float64)
+    rows[:4, 1:] = rows[:4, [3, 4, 1, 2]]  # reversed corners
+    cover = [-8.0, -8.0, width + 12.0, height + 10.0]
+    boxes = jnp.asarray(np.concatenate([rows, [[0, *cover], [1, *cover]]])).astype(dtype)
+    op = lambda x, b, layout="NCHW": jk.roi_align(x, b, size, 1.0, 2, aligned, data_format=layout)
+    out = op(x, boxes)
+    assert np.asarray(out[-1]).tobytes() == np.asarray(out[-2]).tobytes()
+    assert_close(out, reference(x, boxes, size, 1.0, 2, aligned), dtype)
+    channels_last = op(jnp.transpose(x, (0, 2, 3, 1)), boxes, "NHWC")
+    assert np.asarray(channels_last).tobytes() == np.asarray(
+        jnp.transpose(out, (0, 2, 3, 1))).tobytes()
+
+
 # --- gradients ---------------------------------------------------------------------------------
 
 

@@ -419,9 +419,23 @@ JK_HD A input_gradient_term(T dout, A weight) {
   return to_acc(dout) * weight;
 }
 
-// The four taps of a sample in a channel plane with torchvision's weights w1 = hy hx, w2 = hy lx,
-// w3 = ly hx, w4 = ly lx; the offsets count cells (h * W + w) times `cell_stride` (the layout's:
-// a "plane" is then channel c's first element, and plane[offset] the tap in that channel).
+// The bilinear weights of a sample from its footprints along y and x: torchvision's
+// w1 = hy hx, w2 = hy lx, w3 = ly hx, w4 = ly lx.
+template <class A>
+struct BilinearWeights {
+  A w1, w2, w3, w4;
+};
+
+template <class A>
+JK_HD BilinearWeights<A> bilinear_weights(const AxisSample<A>& sy, const AxisSample<A>& sx) {
+  return BilinearWeights<A>{sy.w_low * sx.w_low, sy.w_low * sx.w_high, sy.w_high * sx.w_low,
+                            sy.w_high * sx.w_high};
+}
+
+// The four taps of a sample in a channel plane with the weights of bilinear_weights; the offsets
+// count cells (h * W + w) times `cell_stride` (the layout's: a "plane" is then channel c's first
+// element, and plane[offset] the tap in that channel). value() adds the four products in the
+// order of every pass and backend (the CPU forward's vector loops, cpu/roi_align_loops.inc, too).
 template <class A>
 struct BilinearTaps {
   int64_t o1, o2, o3, o4;
@@ -438,10 +452,10 @@ template <class A>
 JK_HD BilinearTaps<A> bilinear_taps(const AxisSample<A>& sy, const AxisSample<A>& sx, int64_t W,
                                     int64_t cell_stride = 1) {
   const int64_t low = sy.low * W, high = sy.high * W;
+  const BilinearWeights<A> w = bilinear_weights(sy, sx);
   return BilinearTaps<A>{(low + sx.low) * cell_stride,  (low + sx.high) * cell_stride,
                          (high + sx.low) * cell_stride, (high + sx.high) * cell_stride,
-                         sy.w_low * sx.w_low,           sy.w_low * sx.w_high,
-                         sy.w_high * sx.w_low,          sy.w_high * sx.w_high};
+                         w.w1, w.w2, w.w3, w.w4};
 }
 
 // d value / d y and d value / d x of a sample in a channel plane, without the clamping slopes
