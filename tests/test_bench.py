@@ -19,6 +19,15 @@ from jax_kernels import bench
 MODEL, BATCH, SIDE = bench.TRAIN_SIZES["quick"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def on_the_cpu():
+    """The three forms are compared at full float32 precision, so every computation here runs on
+    the CPU: on a GPU, float32 convolutions default to TF32 (1e-3 relative: jk.conv2d's and
+    lax.conv's), which would hide a real difference between the models."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 @pytest.fixture(scope="module")
 def problem():
     return bench.train_init(MODEL), bench.train_data(MODEL, BATCH, SIDE, seed=1)

@@ -109,18 +109,24 @@ def test_doc_has_examples_for_every_module():
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
+    """Runs `code` in a fresh Python that imports the jax_kernels this process tests (the
+    source tree, or an installed wheel when the tests run from a copy)."""
+    import os
+    package_root = str(pathlib.Path(jk.__file__).resolve().parents[1])
+    path = os.pathsep.join([package_root] + [p for p in os.environ.get("PYTHONPATH", "")
+                                             .split(os.pathsep) if p])
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=package_root,
                           capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": path})
 
 
 def test_import_jax_kernels_imports_neither_library():
     result = _run("""
         import sys
         import jax_kernels
-        assert jax_kernels.__file__.startswith(%r), jax_kernels.__file__
+        assert jax_kernels.__file__ == %r, jax_kernels.__file__
         print(sorted(m for m in sys.modules if m.split('.')[0] in ('flax', 'equinox')))
-    """ % str(ROOT))
+    """ % jk.__file__)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 
