@@ -20,7 +20,8 @@
 # (pytest-xdist processes, default 1), SANITIZER_TOOLS (default "memcheck"; any of memcheck
 # racecheck initcheck), SANITIZER_OPS="conv2d grid_sample" / SANITIZER_DTYPES=bfloat16 (a subset
 # of the cases; default all ops, every dtype for memcheck, float32,bfloat16 for the others),
-# SANITIZER_SECONDS (default 300 per tool), EXTRA_TESTS (pytest arguments of a second run with the
+# SANITIZER_SECONDS (default 300 per tool), SANITIZER_KERNELS (a compute-sanitizer kernel filter,
+# e.g. kns=jax_kernels; default: every kernel), EXTRA_TESTS (pytest arguments of a second run with the
 # GPU to itself, e.g. tests/test_large_extents.py), PARALLEL=1 (the sanitizer tools run at the
 # same time as each other and as the tests: each is mostly host-bound). Each sanitizer run is
 # killed as a group at its limit.
@@ -105,12 +106,13 @@ run_limited() {
 # One compute-sanitizer tool over tools/sanitize_cases.py, every kernel of the process (no
 # kernel-name filter: CUB's and CUTLASS's kernels, which consume host-computed sizes, included).
 sanitize() {
-  local tool=$1 dtypes=float32,bfloat16 start rc
+  local tool=$1 dtypes=float32,bfloat16 start rc filter=()
   [ "$tool" = memcheck ] && dtypes=float16,bfloat16,float32,float64
+  [ -n "${SANITIZER_KERNELS:-}" ] && filter=(--kernel-name "$SANITIZER_KERNELS")
   start=$(date +%s)
   # shellcheck disable=SC2086
   JAX_PLATFORMS=cuda run_limited "${SANITIZER_SECONDS:-300}" "$OUT/$tool.log" compute-sanitizer \
-    --tool "$tool" --error-exitcode 3 python3 "$repo/tools/sanitize_cases.py" \
+    --tool "$tool" "${filter[@]}" --error-exitcode 3 python3 "$repo/tools/sanitize_cases.py" \
     --dtypes "${SANITIZER_DTYPES:-$dtypes}" ${SANITIZER_OPS:-}
   rc=$?
   echo "$tool: $(( $(date +%s) - start )) s, rc $rc"
