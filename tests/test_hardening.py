@@ -197,6 +197,35 @@ def roi_align_separable_reference(image, box, output_size, sampling_ratio):
     return np.einsum("ph,chw,qw->cpq", wy, image, wx), wy, wx
 
 
+def test_roi_align_empty_images_or_channels_with_boxes():
+    """Boxes over an input with no image (N = 0) or no channel (C = 0), in both layouts and
+    with either sampling rule: every pass returns its shape without running a sample (the CPU
+    forward once divided the thread count by N * C: SIGFPE, found by test_properties). Each box
+    pools nothing: zeros where C > 0; the gradients are zeros of the operands' shapes."""
+    result = run_isolated("""
+import jax, jax.numpy as jnp, jax_kernels as jk, numpy as np
+boxes = jnp.asarray([[0.0, -0.5, 2.4, -0.5, 2.4], [0.0, 1.0, 1.0, 2.0, 2.0],
+                     [-0.5, 0.0, 0.0, 3.0, 3.0]])
+result['cases'] = []
+for fmt in ('NCHW', 'NHWC'):
+    for n, c in ((0, 3), (2, 0), (0, 0)):
+        shape = (n, c, 4, 5) if fmt == 'NCHW' else (n, 4, 5, c)
+        for ratio in (-1, 2):
+            op = lambda x, b: jk.roi_align(x, b, (2, 1), 0.5, ratio, True, data_format=fmt)
+            x = jnp.ones(shape)
+            out, vjp = jax.vjp(op, x, boxes)
+            d_x, d_b = vjp(jnp.ones_like(out))
+            result['cases'].append([fmt, n, c, ratio, list(out.shape), bool(np.all(out == 0)),
+                                    list(d_x.shape), list(d_b.shape),
+                                    bool(np.all(d_b == 0))])
+""")
+    assert len(result["cases"]) == 12
+    for fmt, n, c, ratio, out, zeros, d_x, d_b, d_b_zeros in result["cases"]:
+        assert out == ([3, c, 2, 1] if fmt == "NCHW" else [3, 2, 1, c]), (fmt, n, c, ratio)
+        assert zeros and d_b_zeros and d_b == [3, 5]
+        assert d_x == ([n, c, 4, 5] if fmt == "NCHW" else [n, 4, 5, c])
+
+
 def test_roi_align_fixed_grid_is_bounded():
     """A fixed sampling_ratio costs PH * PW * sampling_ratio^2 samples per box: the old cap of
     2^20 bounded nothing (one small box ran for hours on the CPU). Above 64 it is refused at

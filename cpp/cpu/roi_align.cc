@@ -317,6 +317,7 @@ void forward_typed(const RoiAlignProblem& p, const T* input, const T* boxes, T* 
   // chunks and images than threads (each part then packs the bands for itself).
   const RoiLoops<A>& loops = roi_loops<A>();
   const int64_t chunks = (p.C + lanes - 1) / lanes;
+  if (chunks * p.N == 0) return;  // no image or no channel: the boxes' zeros are written above
   const int64_t parts = std::max<int64_t>(1, parallel_threads() / (chunks * p.N));
   parallel_for(chunks * p.N * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<A> buffer, sums, means;
