@@ -97,8 +97,11 @@ JK_HD A unnormalize_scale(int64_t size, bool align_corners) {
   return align_corners ? A(size - 1) / A(2) : A(size) / A(2);
 }
 
+// Along an axis of one cell with align_corners the scale is 0: every coordinate but NaN is
+// position 0, ±Inf included (the limit of the finite ones; the formula would give Inf * 0 = NaN).
 template <class A>
 JK_HD A unnormalize(A coord, int64_t size, bool align_corners) {
+  if (align_corners && size == 1) return coord == coord ? A(0) : coord;
   return align_corners ? (coord + A(1)) / A(2) * A(size - 1)
                        : ((coord + A(1)) * A(size) - A(1)) / A(2);
 }
