@@ -36,6 +36,12 @@
 
 namespace jax_kernels {
 
+// The bias gradients (weight_gradient.cu, direct_nhwc.cu) sum each thread's terms in blocks of
+// this many, then add the blocks: one float32 accumulator over 2^26 terms (a 2^31-row dy) lost
+// whole units; blocks keep the error near (block + blocks) ulps. Up to one block per thread the
+// result is the plain running sum, bit for bit.
+constexpr int64_t kBiasBlockTerms = 4096;
+
 // out[n, g*Og + o, y, x] = bias + sum_{i, r, s} w(g, o, i, r, s) * upsampled source[n, g*Ig + i]
 // at (rows.position(y, r), cols.position(x, s)).
 struct StencilGrid {

@@ -414,8 +414,16 @@ __global__ void __launch_bounds__(1024)
   const int64_t b = blockIdx.x / k_tiles, k = (blockIdx.x % k_tiles) * 32 + lane;
   A sum = A(0);
   if (k < K) {
+    // Blocks of kBiasBlockTerms terms are summed apart and then added up, so that 2^31 rows
+    // do not grow one float accumulator past 2^24 times its terms' size; at most one block per
+    // thread (up to 131072 rows per image) is the plain running sum.
     const T* in = dy + b * rows * K + k;
-    for (int64_t row = group; row < rows; row += 32) sum += to_acc(in[row * K]);
+    for (int64_t first = group; first < rows; first += 32 * kBiasBlockTerms) {
+      const int64_t end = first + std::min<int64_t>(rows - first, 32 * kBiasBlockTerms);
+      A part = A(0);
+      for (int64_t row = first; row < end; row += 32) part += to_acc(in[row * K]);
+      sum += part;
+    }
   }
   sums[group][lane] = sum;
   __syncthreads();

@@ -584,11 +584,23 @@ __global__ void __launch_bounds__(kMaxThreads)
   __shared__ A total[1];
   for (int64_t item = blockIdx.x; item < outputs; item += gridDim.x) {
     const int64_t b = item / K, k = item % K;
+    // Each thread sums its terms in blocks of kBiasBlockTerms, added up after (see
+    // bias_gradient_nhwc_kernel); up to one block it is the plain running sum.
     A sum[1] = {A(0)};
+    A part = A(0);
+    int64_t terms = 0;
     for (int64_t n = 0; n < N; ++n) {
       const T* in = dy + ((b * N + n) * K + k) * plane;
-      for (int64_t i = threadIdx.x; i < plane; i += blockDim.x) sum[0] += to_acc(in[i]);
+      for (int64_t i = threadIdx.x; i < plane; i += blockDim.x) {
+        part += to_acc(in[i]);
+        if (++terms == kBiasBlockTerms) {
+          sum[0] += part;
+          part = A(0);
+          terms = 0;
+        }
+      }
     }
+    sum[0] += part;
     block_sum(sum, total);
     if (threadIdx.x == 0) db[item] = from_acc<T>(total[0]);
     __syncthreads();
