@@ -20,7 +20,8 @@
 # (pytest-xdist processes, default 1), SANITIZER_TOOLS (default "memcheck"; any of memcheck
 # racecheck initcheck), SANITIZER_OPS="conv2d grid_sample" / SANITIZER_DTYPES=bfloat16 (a subset
 # of the cases; default all ops, every dtype for memcheck, float32,bfloat16 for the others),
-# SANITIZER_SECONDS (default 300 per tool), SANITIZER_KERNELS (a compute-sanitizer kernel filter,
+# SANITIZER_SECONDS (default 300 per tool), SANITIZER_XLA_FLAGS (XLA_FLAGS under the sanitizer;
+# default: no autotuning, one compile thread, no command buffers), SANITIZER_KERNELS (a compute-sanitizer kernel filter,
 # e.g. kns=jax_kernels; default: every kernel), EXTRA_TESTS (pytest arguments of a second run with the
 # GPU to itself, e.g. tests/test_large_extents.py), PARALLEL=1 (the sanitizer tools run at the
 # same time as each other and as the tests: each is mostly host-bound). Each sanitizer run is
@@ -111,6 +112,9 @@ sanitize() {
   [ -n "${SANITIZER_KERNELS:-}" ] && filter=(--kernel-name "$SANITIZER_KERNELS")
   start=$(date +%s)
   # shellcheck disable=SC2086
+  # XLA's autotuning, parallel compilation and command buffers off: the all-kernel runs of run 10
+  # died inside XLA's first compilations; none of the three changes which of our kernels run.
+  XLA_FLAGS="${SANITIZER_XLA_FLAGS:---xla_gpu_autotune_level=0 --xla_gpu_force_compilation_parallelism=1 --xla_gpu_enable_command_buffer=}" \
   JAX_PLATFORMS=cuda run_limited "${SANITIZER_SECONDS:-300}" "$OUT/$tool.log" compute-sanitizer \
     --tool "$tool" "${filter[@]}" --error-exitcode 3 python3 "$repo/tools/sanitize_cases.py" \
     --dtypes "${SANITIZER_DTYPES:-$dtypes}" ${SANITIZER_OPS:-}
