@@ -50,15 +50,25 @@ def roi_align_cases(dtype):
                          [0, 6.0, 5.0, 2.0, 1.0], [1, 3.0, 3.0, 3.0, 3.0], [0, np.nan, 1, 5, 5],
                          [1, -1e30, 2, 1e30, 3], [2, 1, 1, 5, 5], [-1, 1, 1, 5, 5],
                          [0.5, 1, 1, 5, 5]]).astype(dtype)
-    for sampling_ratio, aligned, deterministic in ((2, False, True), (-1, True, True), (-1, False, False)):
-        op = lambda x, b: jk.roi_align(x, b, (3, 2), 0.9, sampling_ratio, aligned,
-                                       deterministic=deterministic).astype(jnp.float32)
-        grad = jax.grad(lambda x, b: jnp.sum(op(x, b)), argnums=(0, 1))
-        jax.block_until_ready(grad(x, boxes))
-        jax.block_until_ready(jax.vmap(grad)(jnp.stack([x, -x]), jnp.stack([boxes, boxes])))
-        second_order(lambda x, b: jnp.sum(op(x, b) ** 2), x, boxes)
+    for data_format in ("NCHW", "NHWC"):  # channels last: the jk_roi_align_nhwc_* kernels
+        xl = x if data_format == "NCHW" else jnp.moveaxis(x, 1, -1)
+        for sampling_ratio, aligned, deterministic in ((2, False, True), (-1, True, True),
+                                                       (-1, False, False)):
+            op = lambda x, b: jk.roi_align(x, b, (3, 2), 0.9, sampling_ratio, aligned,
+                                           deterministic=deterministic,
+                                           data_format=data_format).astype(jnp.float32)
+            grad = jax.grad(lambda x, b: jnp.sum(op(x, b)), argnums=(0, 1))
+            jax.block_until_ready(grad(xl, boxes))
+            jax.block_until_ready(jax.vmap(grad)(jnp.stack([xl, -xl]), jnp.stack([boxes, boxes])))
+            second_order(lambda x, b: jnp.sum(op(x, b) ** 2), xl, boxes)
     no_boxes = lambda x: jnp.sum(jk.roi_align(x, boxes[:0], 3).astype(jnp.float32))
     jax.block_until_ready(jax.grad(no_boxes)(x))
+    # boxes over an input with no image or no channel, both layouts
+    for empty in (x[:0], x[:, :0]):
+        for data_format, e in (("NCHW", empty), ("NHWC", jnp.moveaxis(empty, 1, -1))):
+            op = lambda x, b: jnp.sum(jk.roi_align(x, b, (3, 2), 0.9, 2, True,
+                                                   data_format=data_format).astype(jnp.float32))
+            jax.block_until_ready(jax.grad(op, argnums=(0, 1))(e, boxes))
 
 
 def grid_sample_cases(dtype):
@@ -90,6 +100,15 @@ def grid_sample_cases(dtype):
         no_points = lambda x: jnp.sum(jk.grid_sample(x, grid[:, :0], data_format=data_format)
                                       .astype(jnp.float32))
         jax.block_until_ready(jax.grad(no_points)(x))
+        # an input of one cell along every axis with align_corners: every coordinate but NaN
+        # reads that cell (+-Inf included)
+        one = x[(slice(None),) * (1 if data_format == "NHWC" else 2) + (slice(0, 1),) * dims]
+        for mode in ("bilinear", "nearest", "bicubic")[: 3 if rank == 4 else 2]:
+            for padding in ("zeros", "border", "reflection"):
+                op = lambda x, g: jnp.sum(jk.grid_sample(x, g, mode, padding, True,
+                                                         data_format=data_format)
+                                          .astype(jnp.float32))
+                jax.block_until_ready(jax.grad(op, argnums=(0, 1))(one, grid))
 
 
 def conv2d_cases(dtype):
