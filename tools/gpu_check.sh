@@ -111,9 +111,9 @@ sanitize() {
   [ "$tool" = memcheck ] && dtypes=float16,bfloat16,float32,float64
   [ -n "${SANITIZER_KERNELS:-}" ] && filter=(--kernel-name "$SANITIZER_KERNELS")
   start=$(date +%s)
-  # shellcheck disable=SC2086
   # XLA's autotuning, parallel compilation and command buffers off: the all-kernel runs of run 10
   # died inside XLA's first compilations; none of the three changes which of our kernels run.
+  # shellcheck disable=SC2086
   XLA_FLAGS="${SANITIZER_XLA_FLAGS:---xla_gpu_autotune_level=0 --xla_gpu_force_compilation_parallelism=1 --xla_gpu_enable_command_buffer=}" \
   JAX_PLATFORMS=cuda run_limited "${SANITIZER_SECONDS:-300}" "$OUT/$tool.log" compute-sanitizer \
     --tool "$tool" "${filter[@]}" --error-exitcode 3 python3 "$repo/tools/sanitize_cases.py" \
