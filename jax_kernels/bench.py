@@ -14,7 +14,9 @@ The floor of a case is the bytes it must move (each input read once, each output
 over the device copy bandwidth measured in the same run; "-" where a case has none.
 
 Each op contributes a ``cases_<op>(ctx)`` function returning :class:`Case` objects; ``CASES``
-maps op names to them. ``train_step`` is a whole training step of a model over every op
+maps op names to them. ``conv2d_sweep`` (the convolutions of a ResNet-50 and a ConvNeXt-T, both
+dtypes and layouts) runs by default on a GPU only: on two CPU cores its --quick form did not
+finish in 15 minutes (lax.conv's depthwise weight gradients take up to 70 ms a call there). ``train_step`` is a whole training step of a model over every op
 (:class:`TrainModel`, also used by tools/scaling_bench.py) against the same model in pure JAX,
 torch and (GPU) torch.compile; its slow contenders get fewer timed calls (``Case.budget_s``), and
 lines starting with ``#`` above a case's rows are its notes (a contender left out, the bitwise
@@ -502,22 +504,62 @@ def cases_conv2d(ctx: Context) -> list[Case]:
     return cases
 
 
-def _conv2d_cases(ctx, seed, layout, name, N, side, C, K, size, pad, groups, dtype):
+# The conv2d sweep: the convolutions of a ResNet-50 and a ConvNeXt-T at 224x224 (one of each
+# distinct shape; name, input side, C, K, kernel, stride, padding, groups).
+CONV_SWEEP = [
+    ("resnet50 stem 7x7/2", 224, 3, 64, 7, 2, 3, 1),
+    ("resnet50 1x1 64->256", 56, 64, 256, 1, 1, 0, 1),
+    ("resnet50 1x1 256->64", 56, 256, 64, 1, 1, 0, 1),
+    ("resnet50 3x3 64->64", 56, 64, 64, 3, 1, 1, 1),
+    ("resnet50 3x3/2 128->128", 56, 128, 128, 3, 2, 1, 1),
+    ("resnet50 1x1/2 256->512", 56, 256, 512, 1, 2, 0, 1),
+    ("resnet50 3x3 256->256", 14, 256, 256, 3, 1, 1, 1),
+    ("resnet50 1x1 1024->256", 14, 1024, 256, 1, 1, 0, 1),
+    ("resnet50 3x3 512->512", 7, 512, 512, 3, 1, 1, 1),
+    ("convnext stem 4x4/4", 224, 3, 96, 4, 4, 0, 1),
+    ("convnext dw 7x7 C96", 56, 96, 96, 7, 1, 3, 96),
+    ("convnext 1x1 96->384", 56, 96, 384, 1, 1, 0, 1),
+    ("convnext 1x1 384->96", 56, 384, 96, 1, 1, 0, 1),
+    ("convnext down 2x2/2 96->192", 56, 96, 192, 2, 2, 0, 1),
+    ("convnext dw 7x7 C384", 14, 384, 384, 7, 1, 3, 384),
+    ("convnext dw 7x7 C768", 7, 768, 768, 7, 1, 3, 768),
+]
+
+
+def cases_conv2d_sweep(ctx: Context) -> list[Case]:
+    """CONV_SWEEP, each forward, dgrad and wgrad, in bfloat16 and float32 (TF32), in both layouts,
+    per dispatch and 10 calls in one jit, against lax.conv and torch as cases_conv2d. Batch 32 on
+    the GPU; on a CPU batch 2 at a quarter of the side (--quick: batch 1, an eighth, bf16 only)."""
+    gpu = ctx.platform == "gpu"
+    N, scale = (1, 8) if ctx.quick else (32, 1) if gpu else (2, 4)
+    dtypes = (jnp.bfloat16,) if ctx.quick else (jnp.bfloat16, jnp.float32)
+    cases = []
+    for seed, (name, side, C, K, size, stride, pad, groups) in enumerate(CONV_SWEEP):
+        side = max(side // scale, size)
+        for dtype in dtypes:
+            for layout in ("NCHW", "NHWC"):
+                cases += _conv2d_cases(ctx, seed, layout, name, N, side, C, K, size, pad,
+                                       groups, dtype, stride)
+    return cases
+
+
+def _conv2d_cases(ctx, seed, layout, name, N, side, C, K, size, pad, groups, dtype, stride=1):
     last = layout == "NHWC"
+    out = (side + 2 * pad - size) // stride + 1
     x = _jnp_random(ctx, (N, side, side, C) if last else (N, C, side, side), dtype, seed=3 * seed)
     w = _jnp_random(ctx, (size, size, C // groups, K) if last else (K, C // groups, size, size),
                     dtype, seed=3 * seed + 1)
-    dy = _jnp_random(ctx, (N, side, side, K) if last else (N, K, side, side), dtype,
+    dy = _jnp_random(ctx, (N, out, out, K) if last else (N, K, out, out), dtype,
                      seed=3 * seed + 2)
     item = np.dtype(dtype).itemsize
     x_bytes, w_bytes, y_bytes = x.size * item, w.size * item, dy.size * item
     numbers = ("NHWC", "HWIO", "NHWC") if last else ("NCHW", "OIHW", "NCHW")
 
     def ours(x, w, pad=pad, groups=groups):
-        return jk.conv2d(x, w, padding=pad, groups=groups, data_format=layout)
+        return jk.conv2d(x, w, stride=stride, padding=pad, groups=groups, data_format=layout)
 
     def lax_conv(x, w, pad=pad, groups=groups):
-        return jax.lax.conv_general_dilated(x, w, (1, 1), [(pad, pad), (pad, pad)],
+        return jax.lax.conv_general_dilated(x, w, (stride, stride), [(pad, pad), (pad, pad)],
                                             feature_group_count=groups,
                                             dimension_numbers=numbers)
 
@@ -558,7 +600,7 @@ def _conv2d_cases(ctx, seed, layout, name, N, side, C, K, size, pad, groups, dty
             return t.contiguous(memory_format=torch.channels_last) if last else t
 
         t = (to_torch(x, "x"), to_torch(w, "w"), to_torch(dy, "x"))
-        o = dict(stride=1, padding=pad, dilation=1, groups=groups)
+        o = dict(stride=stride, padding=pad, dilation=1, groups=groups)
         fwd.contenders.append(Contender(
             "torch", lambda t=t, o=o: torch.nn.functional.conv2d(t[0], t[1], None, **o),
             "torch"))
@@ -854,6 +896,7 @@ CASES: dict[str, Callable[[Context], list[Case]]] = {
     "repeat": cases_repeat,
     "roi_align": cases_roi_align,
     "conv2d": cases_conv2d,
+    "conv2d_sweep": cases_conv2d_sweep,
     "train_step": cases_train_step,
 }
 
@@ -908,7 +951,10 @@ def run(ops: list[str], quick: bool, dispatches: int, rounds: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ops", default=",".join(CASES), help="comma-separated ops")
+    parser.add_argument("--ops", default=None,
+                        help="comma-separated ops (default: every op; on a CPU every op but "
+                             "conv2d_sweep, whose lax.conv depthwise gradients take minutes "
+                             "there)")
     parser.add_argument("--json", default=None, help="write the results to this file")
     parser.add_argument("--quick", action="store_true",
                         help="small sizes (the default on a CPU)")
@@ -917,6 +963,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dispatches", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args(argv)
+    if args.ops is None:
+        on_cpu = jax.default_backend() == "cpu"
+        args.ops = ",".join(op for op in CASES if not (on_cpu and op == "conv2d_sweep"))
     ops = [op for op in args.ops.split(",") if op]
     unknown = [op for op in ops if op not in CASES]
     if unknown:
