@@ -904,7 +904,8 @@ CASES: dict[str, Callable[[Context], list[Case]]] = {
 # --- driver --------------------------------------------------------------------------------------
 
 
-def run(ops: list[str], quick: bool, dispatches: int, rounds: int) -> dict:
+def run(ops: list[str], quick: bool, dispatches: int, rounds: int,
+        match: list[str] | None = None, contenders: list[str] | None = None) -> dict:
     platform = jax.default_backend()
     torch_device = None
     if torch is not None:
@@ -933,6 +934,10 @@ def run(ops: list[str], quick: bool, dispatches: int, rounds: int) -> dict:
     print(f"{'case':72s} {'contender':13s} {'ms':>9s} {'x floor':>8s} {'x jk':>7s}")
     for op in ops:
         for case in CASES[op](ctx):
+            if match and not any(m in case.name for m in match):
+                continue
+            if contenders:
+                case.contenders[:] = [c for c in case.contenders if c.name in contenders]
             floor_ms = None if case.floor_bytes is None else case.floor_bytes / bandwidth * 1e3
             times = {c.name: time_contender(c, dispatches, rounds, case.budget_s) / case.calls
                      for c in case.contenders}
@@ -960,6 +965,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="small sizes (the default on a CPU)")
     parser.add_argument("--full", action="store_true",
                         help="the full sizes on a CPU too (the default on a GPU)")
+    parser.add_argument("--match", default=None,
+                        help="comma-separated substrings: only the cases whose name holds one")
+    parser.add_argument("--contenders", default=None,
+                        help="comma-separated contender names to time (default: all)")
     parser.add_argument("--dispatches", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args(argv)
@@ -973,7 +982,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick and args.full:
         parser.error("--quick and --full exclude each other")
     quick = args.quick or (not args.full and jax.default_backend() == "cpu")
-    report = run(ops, quick, args.dispatches, args.rounds)
+    split = lambda text: [t for t in text.split(",") if t] if text else None  # noqa: E731
+    report = run(ops, quick, args.dispatches, args.rounds, split(args.match),
+                 split(args.contenders))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

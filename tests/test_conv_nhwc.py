@@ -19,7 +19,7 @@ from jax.test_util import check_grads
 
 import jax_kernels as jk
 from jk_testing import ON_GPU, TORCH_UNAVAILABLE, assert_close, random, rtol, torch
-from test_conv import GEOMETRIES, _id, torch_conv
+from test_conv import GEOMETRIES, _id, jk_conv, operands, torch_conv
 
 needs_torch = pytest.mark.skipif(torch is None, reason=TORCH_UNAVAILABLE)
 pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same'")
@@ -338,3 +338,47 @@ def test_batch_sharded_on_8_devices():
         expected = jax.jit(grads)(x, w, b)
     for a, e in zip(actual, expected):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-12, atol=1e-12)
+
+
+# Dense problems the tensor-core path takes, for both kernel families (torch-layout shapes): a
+# narrow and a wide filter tile, bias, stride 2 with padding, a 1x1 stride-2 conv that leaves the
+# last input row unread, dilation, and a unit-stride dgrad (an fprop on flipped weights) with
+# padding on one side only.
+TENSOR_CORE_GEOMETRIES = [
+    ((2, 16, 20, 33), (32, 16, 3, 3), dict(padding=1), True),
+    ((2, 64, 14, 15), (128, 64, 3, 3), dict(stride=2, padding=1), True),
+    ((2, 32, 16, 17), (64, 32, 1, 1), dict(stride=2), False),
+    ((1, 8, 13, 11), (16, 8, 5, 3), dict(padding=(2, 0), dilation=(1, 2)), True),
+    ((3, 24, 9, 10), (8, 24, 2, 2), dict(padding="same"), False),
+]
+
+
+@needs_torch
+@pytest.mark.skipif(not ON_GPU, reason="the tensor-core kernels run on a GPU")
+@pytest.mark.parametrize("hopper", ["1", "0"], ids=["sm90-kernels", "sm80-kernels"])
+@pytest.mark.parametrize("data_format", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("geometry", TENSOR_CORE_GEOMETRIES, ids=_id)
+def test_tensor_core_kernel_families_match_float64(monkeypatch, hopper, data_format, dtype,
+                                                   geometry):
+    """On a Hopper GPU the forward and unit-stride dgrad run CUTLASS 3.x sm_90a kernels (TMA
+    im2col, WGMMA); JAX_KERNELS_CONV_SM90=0 keeps the Sm80 ones (the Ampere path), read when each
+    call is planned. Both against float64 torch on the same rounded inputs (TF32 for float32:
+    1e-3, as test_conv's default-precision test)."""
+    monkeypatch.setenv("JAX_KERNELS_CONV_SM90", hopper)
+    shape_x, shape_w, options, bias = geometry
+    if data_format == "NHWC":
+        x, w, b, dy = nhwc_operands(5, shape_x, shape_w, bias, dtype, options)
+        got = jk_nhwc(x, w, b, dy, **options)
+        cast = lambda a: None if a is None else a.astype(jnp.float64)
+        expected = torch_nhwc(cast(x), cast(w), cast(b), cast(dy), **options)
+    else:
+        x, w, b, dy = operands(5, shape_x, shape_w, bias, dtype, options)
+        got = jk_conv(x, w, b, dy, **options)
+        cast = lambda a: None if a is None else a.astype(jnp.float64)
+        expected = torch_conv(cast(x), cast(w), cast(b), cast(dy), **options)
+    tolerance = 1e-3 if dtype == jnp.float32 else rtol(dtype)
+    for name, a, e in zip(("output", "d_input", "d_weight", "d_bias"), got, expected):
+        if e is not None:
+            assert a.dtype == dtype, name
+            assert_close(a, e, rtol_=tolerance), name

@@ -336,9 +336,9 @@ void time_steps(const char* label, const ConvQuery& query, cudaStream_t stream, 
   layout_line("out", kImplicitGemmLayoutOut, info.out_launches, info.out_bytes, info.out_what);
   const float cutlass_ms = median_ms(stream, step_launch(kImplicitGemmCutlass), false);
   std::printf(
-      "  layout %s cutlass %.4f ms; layout in+out %.4f ms = %.1f%% of the pass (steps sum %.4f "
-      "ms)\n",
-      label, cutlass_ms, layout_ms, 100.0 * layout_ms / pass_ms, layout_ms + cutlass_ms);
+      "  layout %s cutlass (%s) %.4f ms; layout in+out %.4f ms = %.1f%% of the pass (steps sum "
+      "%.4f ms)\n",
+      label, info.sm90 ? "sm90" : "sm80", cutlass_ms, layout_ms, 100.0 * layout_ms / pass_ms, layout_ms + cutlass_ms);
 }
 
 void run_case(const Case& c, ConvPass pass, ConvDtype dtype, ConvPrecision precision,

@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <initializer_list>
 #include <string>
@@ -73,10 +74,58 @@ auto with_math(Math math, F&& f) {
   }
 }
 
+// Whether the Hopper kernels (implicit_gemm_sm90.cuh) may run: built (the sm_90a object
+// library), the current device has compute capability 9.0 (sm_90a code runs there only), and
+// not turned off with JAX_KERNELS_CONV_SM90=0 (kept for A/B measurements against the Sm80
+// kernels). The scratch layout does not depend on it.
+bool hopper_kernels() {
+#if defined(JAX_KERNELS_HAVE_SM90_CONV)
+  const char* env = std::getenv("JAX_KERNELS_CONV_SM90");
+  if (env != nullptr && std::string(env) == "0") return false;
+  static const bool hopper = [] {
+    int device = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return major == 9 && minor == 0;
+  }();
+  return hopper;
+#else
+  return false;
+#endif
+}
+
+bool sm90_math(Math math) { return math != Math::kFloat32x3; }
+
 template <class Problem>
 bool can_implement(Math math, const Problem& problem) {
   return with_math(math, [&](auto m) { return implicit_gemm::can_implement<m()>(problem); });
 }
+
+#if defined(JAX_KERNELS_HAVE_SM90_CONV)
+bool can_implement(Math math, const NhwcConv& conv) {
+  if (!conv.sm90) return with_math(math, [&](auto m) { return implicit_gemm::can_implement<m()>(conv); });
+  switch (math) {
+    case Math::kFloat16: return implicit_gemm::sm90_can_implement<Math::kFloat16>(conv);
+    case Math::kBFloat16: return implicit_gemm::sm90_can_implement<Math::kBFloat16>(conv);
+    case Math::kTF32: return implicit_gemm::sm90_can_implement<Math::kTF32>(conv);
+    default: return false;
+  }
+}
+
+ffi::Error run(Math math, const NhwcConv& conv, cudaStream_t stream) {
+  if (!conv.sm90) return with_math(math, [&](auto m) { return implicit_gemm::run<m()>(conv, stream); });
+  switch (math) {
+    case Math::kFloat16: return implicit_gemm::sm90_run<Math::kFloat16>(conv, stream);
+    case Math::kBFloat16: return implicit_gemm::sm90_run<Math::kBFloat16>(conv, stream);
+    case Math::kTF32: return implicit_gemm::sm90_run<Math::kTF32>(conv, stream);
+    default: return ffi::Error::Internal("conv2d: no Hopper kernel for float32x3");
+  }
+}
+#endif
 
 template <class Problem>
 int64_t output_tiles(Math math, const Problem& problem) {
@@ -278,6 +327,11 @@ bool plan_nhwc(const ConvQuery& query, Plan* plan) {
         return false;
       break;
     }
+  }
+  // Hopper: the fprop kernel (also unit-stride dgrad's) where it takes the problem, else Sm80.
+  if (c.kernel == NhwcKernel::kFprop && hopper_kernels() && sm90_math(plan->math)) {
+    c.sm90 = true;
+    if (!can_implement(plan->math, c)) c.sm90 = false;
   }
   if (!can_implement(plan->math, c)) return false;
   plan->route = Route::kNhwc;
@@ -808,6 +862,7 @@ bool implicit_gemm_layout_info(const ConvQuery& query, bool with_bias,
     std::snprintf(what, sizeof what, "%s", text.c_str());
   };
   info->nhwc_route = plan.route == Route::kNhwc;
+  info->sm90 = info->nhwc_route && plan.conv.sm90;
   if (plan.route == Route::kGemm) {
     if (query.pass == ConvPass::kForward && with_bias) {
       info->in_launches = 1;

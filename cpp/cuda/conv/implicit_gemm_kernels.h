@@ -36,6 +36,9 @@ struct NhwcConv {
   int N, H, W, C, K, R, S, P, Q;
   int pad_h, pad_w, stride_h, stride_w, dilation_h, dilation_w;
   int split_k;  // wgrad: slices of N*P*Q, each writing its own partial sum (no atomics); else 1
+  // kFprop only: run the Hopper kernel (implicit_gemm_sm90.cuh) instead of the Sm80 one. The
+  // planner sets it where the device is compute capability 9.0 and the kernel takes the problem.
+  bool sm90 = false;
   const void* a;
   const void* b;
   const void* c;
@@ -86,6 +89,14 @@ template <Math M>
 ffi::Error run(const NhwcConv& conv, cudaStream_t stream);
 template <Math M>
 ffi::Error run(const BatchedGemm& gemm, cudaStream_t stream);
+
+// The Hopper kernels (CUTLASS 3.x implicit GEMM: TMA im2col loads, WGMMA; compiled for sm_90a in
+// implicit_gemm_sm90_<math>.cu, when the build targets sm_90): kFprop for float16, bfloat16 and
+// TF32 (not kFloat32x3). Host-only can_implement, as above; run re-checks it with the pointers.
+template <Math M>
+bool sm90_can_implement(const NhwcConv& conv);
+template <Math M>
+ffi::Error sm90_run(const NhwcConv& conv, cudaStream_t stream);
 
 }  // namespace implicit_gemm
 }  // namespace jax_kernels

@@ -1,0 +1,218 @@
+// Hopper kernels of the tensor-core convolution path: CUTLASS 3.x implicit GEMM with TMA im2col
+// loads and warpgroup MMA (WGMMA), warp-specialized and persistent. Included by one
+// implicit_gemm_sm90_<math>.cu per math mode; those files are compiled for sm_90a only (WGMMA and
+// the im2col TMA are sm_90a features), in their own object library (cpp/CMakeLists.txt).
+//
+// Kernels (interface in implicit_gemm_kernels.h, NhwcConv with sm90 set):
+// - fprop: a = x [N,H,W,C], b = w [K,R,S,C], bias [K] or null added in the epilogue (a per-column
+//   broadcast of the GEMM), d = y [N,P,Q,K]. Unit-stride dgrad runs as an fprop on flipped,
+//   transposed weights (implicit_gemm.cu prepares them), as on the Sm80 path.
+// Every output tile is computed by one CTA over the whole reduction (no split-K): the result does
+// not depend on the SM count or the schedule.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "conv/implicit_gemm_kernels.h"
+#include "common/status.h"
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+// The collective headers use KernelHardwareInfo without including it.
+#include "cutlass/kernel_hardware_info.hpp"
+#include "cutlass/conv/collective/collective_builder.hpp"
+#include "cutlass/conv/convnd_problem_shape.hpp"
+#include "cutlass/conv/convolution.h"
+#include "cutlass/conv/device/conv_universal_adapter.hpp"
+#include "cutlass/conv/dispatch_policy.hpp"
+#include "cutlass/conv/kernel/conv_universal.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/operations.hpp"
+
+namespace jax_kernels {
+namespace implicit_gemm {
+namespace sm90 {
+
+using namespace cute;
+
+template <Math M>
+struct Element;
+template <>
+struct Element<Math::kFloat16> {
+  using type = cutlass::half_t;
+};
+template <>
+struct Element<Math::kBFloat16> {
+  using type = cutlass::bfloat16_t;
+};
+template <>
+struct Element<Math::kTF32> {
+  using type = float;  // read as float, multiplied as TF32 by the collective builder
+};
+
+// The tile table. GEMM view of fprop: M = N*P*Q output pixels, N = K filters, K = C*R*S. The
+// K extent of a tile is 128 bytes of elements (64 half, 32 float): one TMA box row per channel
+// run. narrow (filters <= 64): 128x64, so that 64 filters fill the tile; wide: 128x128. Both use
+// the cooperative schedule (two consumer warpgroups split the 128 rows).
+template <Math M, TileClass kClass>
+struct FpropConfig {
+  using E = typename Element<M>::type;
+  static constexpr int kTileK = 128 / int(sizeof(E));
+  static constexpr int kTileN = kClass == TileClass::kWide ? 128 : 64;
+  using TileShape = Shape<_128, Int<kTileN>, Shape<Int<kTileK>>>;  // K nested: (C, S, R) runs
+  using ClusterShape = Shape<_1, _1, _1>;
+  static constexpr int kAlignment = 128 / cutlass::sizeof_bits<E>::value;
+  static constexpr cutlass::conv::Operator kOp = cutlass::conv::Operator::kFprop;
+  using Layout = cutlass::layout::TensorNHWC;
+  // D = acc + bias[k] (the bias pointer may be null: then nothing is added), no source tensor.
+  using Fusion = cutlass::epilogue::fusion::LinCombPerColBias<E, float, E, E, float>;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, Layout, kAlignment, E,
+      Layout, kAlignment, cutlass::epilogue::TmaWarpSpecialized, Fusion>::CollectiveOp;
+  using Mainloop = typename cutlass::conv::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, kOp, E, Layout, kAlignment, E, Layout,
+      kAlignment, float, TileShape, ClusterShape,
+      cutlass::conv::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::conv::KernelImplicitTmaWarpSpecializedSm90>::CollectiveOp;
+  using ProblemShape =
+      cutlass::conv::ConvProblemShape<kOp, Mainloop::DispatchPolicy::NumSpatialDimensions>;
+  using Kernel = cutlass::conv::kernel::ConvUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Device = cutlass::conv::device::ConvUniversalAdapter<Kernel>;
+};
+
+// The SM count the persistent scheduler sizes its grid with, queried once per process for the
+// current device (it changes only the grid, never the result).
+inline int sm_count() {
+  static const int count = [] {
+    int device = 0, sms = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;  // CUTLASS then queries it itself
+    }
+    return sms;
+  }();
+  return count;
+}
+
+// The bottom (right) padding CUTLASS needs to form the output extent P (Q) from H (W), which it
+// computes itself: the least that reaches the last output row, zero where rows of the input go
+// unread (e.g. a 1x1 stride-2 conv over an even extent). -1 where no padding gives P.
+// In 64 bits: the planner bounds each extent by INT_MAX, not their sums; the im2col TMA takes
+// paddings up to 256 anyway (can_implement).
+inline int upper_padding(int64_t in, int64_t out, int64_t taps, int64_t pad, int64_t stride,
+                         int64_t dilation) {
+  const int64_t needed = std::max<int64_t>((out - 1) * stride + (taps - 1) * dilation + 1 - in - pad, 0);
+  const int64_t span = in + pad + needed - (taps - 1) * dilation - 1;
+  if (span < 0 || needed > (1 << 16)) return -1;
+  return span / stride + 1 == out ? int(needed) : -1;
+}
+
+template <class Config>
+typename Config::ProblemShape fprop_problem(const NhwcConv& c) {
+  const int pad_bottom = upper_padding(c.H, c.P, c.R, c.pad_h, c.stride_h, c.dilation_h);
+  const int pad_right = upper_padding(c.W, c.Q, c.S, c.pad_w, c.stride_w, c.dilation_w);
+  return typename Config::ProblemShape(
+      cutlass::conv::Mode::kCrossCorrelation, {c.N, c.H, c.W, c.C}, {c.K, c.R, c.S, c.C},
+      {c.pad_h, c.pad_w}, {pad_bottom, pad_right}, {c.stride_h, c.stride_w},
+      {c.dilation_h, c.dilation_w}, 1);
+}
+
+template <class Config>
+typename Config::Device::Arguments fprop_arguments(const NhwcConv& c) {
+  using E = typename Config::E;
+  using Kernel = typename Config::Kernel;
+  const typename Config::ProblemShape problem = fprop_problem<Config>(c);
+  typename Kernel::StrideD stride_d{};
+  // The output's strides (Q, P, N) from the problem's packed NPQK strides, as CUTLASS's own
+  // examples set them.
+  cute::for_each(cute::make_seq<cute::rank<0>(typename Kernel::StrideD{})>{}, [&](auto i) {
+    cute::get<0, i>(stride_d) = problem.stride_C[Config::ProblemShape::RankT - 2 - i];
+  });
+  typename Config::Device::Arguments args{
+      problem,
+      {static_cast<const E*>(c.a), static_cast<const E*>(c.b)},
+      {{}, nullptr, stride_d, static_cast<E*>(c.d), stride_d}};
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  args.epilogue.thread.bias_ptr = static_cast<const E*>(c.c);
+  args.hw_info.sm_count = sm_count();
+  return args;
+}
+
+// Problems the kernels take, besides CUTLASS's own can_implement: 16-byte aligned pointers
+// (TMA), no problem past int extents (checked by the planner), and padding the im2col TMA can
+// express (its corner offsets; can_implement checks them).
+inline bool aligned(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+template <class Config>
+bool fprop_can_implement(const NhwcConv& c) {
+  if (c.kernel != NhwcKernel::kFprop || c.split_k != 1) return false;
+  if (c.C % Config::kAlignment || c.K % Config::kAlignment) return false;
+  for (const void* p : {c.a, c.b, c.c, static_cast<const void*>(c.d)})
+    if (!aligned(p)) return false;
+  if (upper_padding(c.H, c.P, c.R, c.pad_h, c.stride_h, c.dilation_h) < 0 ||
+      upper_padding(c.W, c.Q, c.S, c.pad_w, c.stride_w, c.dilation_w) < 0)
+    return false;
+  const typename Config::Device::Arguments args = fprop_arguments<Config>(c);
+  if (Config::Device::can_implement(args) != cutlass::Status::kSuccess) return false;
+  return Config::Device::get_workspace_size(args) == 0;
+}
+
+inline std::string describe(const NhwcConv& c, const char* what) {
+  char text[320];
+  std::snprintf(text, sizeof text,
+                "conv2d: CUTLASS sm90 fprop %s for N=%d H=%d W=%d C=%d K=%d R=%d S=%d P=%d Q=%d "
+                "pad=(%d,%d) stride=(%d,%d) dilation=(%d,%d)",
+                what, c.N, c.H, c.W, c.C, c.K, c.R, c.S, c.P, c.Q, c.pad_h, c.pad_w, c.stride_h,
+                c.stride_w, c.dilation_h, c.dilation_w);
+  return text;
+}
+
+template <class Config>
+ffi::Error fprop_run(const NhwcConv& c, cudaStream_t stream) {
+  if (!fprop_can_implement<Config>(c)) return ffi::Error::Internal(describe(c, "rejects"));
+  typename Config::Device op;
+  const typename Config::Device::Arguments args = fprop_arguments<Config>(c);
+  // initialize builds the TMA descriptors on the host and sets the kernel's shared memory
+  // size; no workspace (checked above), so nothing touches the stream before run.
+  if (op.initialize(args, nullptr, stream) != cutlass::Status::kSuccess)
+    return ffi::Error::Internal(describe(c, "initialize failed"));
+  if (op.run(stream) != cutlass::Status::kSuccess)
+    return ffi::Error::Internal(describe(c, "launch failed"));
+  return launch_status("conv2d (CUTLASS sm90)");
+}
+
+template <Math M, class F>
+auto with_fprop(const NhwcConv& c, F&& f) {
+  return c.tile == TileClass::kWide ? f(TypeTag<FpropConfig<M, TileClass::kWide>>{})
+                                    : f(TypeTag<FpropConfig<M, TileClass::kNarrow>>{});
+}
+
+}  // namespace sm90
+
+template <Math M>
+bool sm90_can_implement(const NhwcConv& conv) {
+  return sm90::with_fprop<M>(conv, [&](auto config) {
+    return sm90::fprop_can_implement<typename decltype(config)::type>(conv);
+  });
+}
+
+template <Math M>
+ffi::Error sm90_run(const NhwcConv& conv, cudaStream_t stream) {
+  return sm90::with_fprop<M>(conv, [&](auto config) {
+    return sm90::fprop_run<typename decltype(config)::type>(conv, stream);
+  });
+}
+
+#define JK_IMPLICIT_GEMM_SM90_INSTANTIATE(math)              \
+  template bool sm90_can_implement<math>(const NhwcConv&); \
+  template ffi::Error sm90_run<math>(const NhwcConv&, cudaStream_t)
+
+}  // namespace implicit_gemm
+}  // namespace jax_kernels

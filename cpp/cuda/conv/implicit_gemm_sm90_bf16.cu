@@ -1,0 +1,12 @@
+// Hopper (sm_90a) CUTLASS kernels of the tensor-core conv2d path for bfloat16; the kernels and their
+// tile table are in implicit_gemm_sm90.cuh. Compiled for sm_90a only (cpp/CMakeLists.txt); without
+// CUTLASS headers this file compiles to nothing.
+#if defined(JAX_KERNELS_HAVE_CUTLASS)
+#include "conv/implicit_gemm_sm90.cuh"
+
+namespace jax_kernels {
+namespace implicit_gemm {
+JK_IMPLICIT_GEMM_SM90_INSTANTIATE(Math::kBFloat16);
+}  // namespace implicit_gemm
+}  // namespace jax_kernels
+#endif
