@@ -55,8 +55,12 @@ struct Element<Math::kTF32> {
 
 // The tile table. GEMM view of fprop: M = N*P*Q output pixels, N = K filters, K = C*R*S. The
 // K extent of a tile is 128 bytes of elements (64 half, 32 float): one TMA box row per channel
-// run. narrow (filters <= 64): 128x64, so that 64 filters fill the tile; wide: 128x128. Both use
-// the cooperative schedule (two consumer warpgroups split the 128 rows).
+// run. narrow (filters <= 64): 128x64, so that 64 filters fill the tile; wide: 128x128. CUTLASS
+// runs conv on the non-persistent warp-specialized schedule only (one producer warp, one
+// consumer warpgroup per CTA; a CTA's epilogue does not overlap its next tile's loads), and a
+// conv's reduction is short (C*R*S = 576 for 3x3x64: 9 k-tiles): so the pipeline gets as many
+// stages as leave room for two CTAs per SM, one CTA's loads overlapping the other's epilogue,
+// rather than all of shared memory for one.
 template <Math M, TileClass kClass>
 struct FpropConfig {
   using E = typename Element<M>::type;
@@ -73,11 +77,16 @@ struct FpropConfig {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, Layout, kAlignment, E,
       Layout, kAlignment, cutlass::epilogue::TmaWarpSpecialized, Fusion>::CollectiveOp;
+  // Half of an SM's 228 KiB, less the 1 KiB the driver reserves per CTA and 1 KiB of slack
+  // for the pipeline barriers and the kernel's own shared storage.
+  static constexpr int kStageBytes = (128 + kTileN) * kTileK * int(sizeof(E));
+  static constexpr int kStages =
+      (228 * 1024 / 2 - 2048 - int(sizeof(typename Epilogue::SharedStorage))) / kStageBytes;
+  static_assert(kStages >= 2, "two CTAs per SM need at least a double-buffered pipeline");
   using Mainloop = typename cutlass::conv::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, kOp, E, Layout, kAlignment, E, Layout,
       kAlignment, float, TileShape, ClusterShape,
-      cutlass::conv::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::conv::collective::StageCount<kStages>,
       cutlass::conv::KernelImplicitTmaWarpSpecializedSm90>::CollectiveOp;
   using ProblemShape =
       cutlass::conv::ConvProblemShape<kOp, Mainloop::DispatchPolicy::NumSpatialDimensions>;
