@@ -342,14 +342,17 @@ def test_batch_sharded_on_8_devices():
 
 # Dense problems the tensor-core path takes, for both kernel families (torch-layout shapes): a
 # narrow and a wide filter tile, bias, stride 2 with padding, a 1x1 stride-2 conv that leaves the
-# last input row unread, dilation, and a unit-stride dgrad (an fprop on flipped weights) with
-# padding on one side only.
+# last input row unread, dilation, a unit-stride dgrad (an fprop on flipped weights) with
+# padding on one side only, a 3-channel stem and a grouped conv.
 TENSOR_CORE_GEOMETRIES = [
     ((2, 16, 20, 33), (32, 16, 3, 3), dict(padding=1), True),
     ((2, 64, 14, 15), (128, 64, 3, 3), dict(stride=2, padding=1), True),
     ((2, 32, 16, 17), (64, 32, 1, 1), dict(stride=2), False),
     ((1, 8, 13, 11), (16, 8, 5, 3), dict(padding=(2, 0), dilation=(1, 2)), True),
     ((3, 24, 9, 10), (8, 24, 2, 2), dict(padding="same"), False),
+    # Channels last off the access width, and groups: repacked into the kernels' layout.
+    ((2, 3, 17, 18), (16, 3, 7, 7), dict(stride=2, padding=3), True),
+    ((2, 32, 9, 10), (48, 16, 3, 3), dict(padding=1, groups=2), True),
 ]
 
 

@@ -149,6 +149,9 @@ struct Plan {
   // NHWC route: channels and filters per group, valid and padded to the access width.
   int64_t groups = 1, Cg = 0, Kg = 0, Cgp = 0, Kgp = 0;
   bool dgrad_as_fprop = false;
+  // NHWC route on channels-last tensors read and written where they are (one group, channel and
+  // filter counts multiples of the access width); other channels-last problems are repacked.
+  bool in_place = false;
   NhwcConv conv{};  // one group's problem; pointers are set at run time
   BatchedGemm gemm{};  // GEMM route; pointers are set at run time
   // Scratch regions (byte offsets from the 256-byte aligned base) and the bytes to ask for.
@@ -263,9 +266,11 @@ bool plan_nhwc(const ConvQuery& query, Plan* plan) {
   const int64_t Cg = p.C / G, Kg = p.K / G, Cgp = round_up(Cg, a), Kgp = round_up(Kg, a);
   plan->groups = G, plan->Cg = Cg, plan->Kg = Kg, plan->Cgp = Cgp, plan->Kgp = Kgp;
   if (!fits_int({Cgp, Kgp})) return false;
-  // Channels last: CUTLASS reads and writes the tensors in place (no activation regions).
-  const bool in_place = p.layout == ConvLayout::kNHWC;
-  if (in_place && (G != 1 || Cgp != Cg || Kgp != Kg)) return false;
+  // Channels last: CUTLASS reads and writes the tensors in place (no activation regions) when
+  // they have one group and aligned channel counts; otherwise they are repacked (padded, groups
+  // apart) like the NCHW tensors are transposed.
+  const bool in_place = p.layout == ConvLayout::kNHWC && G == 1 && Cgp == Cg && Kgp == Kg;
+  plan->in_place = in_place;
   // One group's tensors as CUTLASS sees them (wgrad writes float32 partial filters).
   const int64_t x_group = checked_product({p.N, p.H, p.W, Cgp, eb});
   const int64_t y_group = checked_product({p.N, p.P, p.Q, Kgp, eb});
@@ -409,10 +414,24 @@ struct WeightJob {
   int64_t block_begin, blocks;  // blocks == 0: no weight job in this launch
 };
 
+// Channels-last activations that CUTLASS cannot read in place (a channel count off the access
+// width, or several groups) move between [rows][G * channels] (rows = N * pixels) and the
+// kernels' [G][rows][padded]: pad copies in with zeros past `channels`, unpad copies back.
+template <class Bits>
+struct RepackJob {
+  const Bits* in;
+  Bits* out;
+  int64_t rows, groups, channels, padded;
+  bool pad;
+  int64_t block_begin, blocks;
+};
+
 template <class Bits>
 struct LayoutJobs {
   TransposeJob<Bits> transpose[2];
   int transpose_count;
+  RepackJob<Bits> repack[2];
+  int repack_count;
   WeightJob<Bits> weights;
 };
 
@@ -499,10 +518,29 @@ __device__ void transform_weights(const WeightJob<Bits>& job, int64_t block) {
 }
 
 template <class Bits>
+__device__ void repack(const RepackJob<Bits>& job, int64_t block) {
+  const int64_t per_group = job.rows * job.padded, total = job.groups * per_group;
+  const int64_t stride = job.blocks * kLayoutThreads;
+  for (int64_t idx = block * kLayoutThreads + threadIdx.x; idx < total; idx += stride) {
+    const int64_t g = idx / per_group, rest = idx % per_group;
+    const int64_t row = rest / job.padded, c = rest % job.padded;
+    const int64_t packed = (row * job.groups + g) * job.channels + c;
+    if (job.pad)
+      job.out[idx] = c < job.channels ? job.in[packed] : Bits(0);
+    else if (c < job.channels)
+      job.out[packed] = job.in[idx];
+  }
+}
+
+template <class Bits>
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutJobs<Bits> jobs) {
   __shared__ Bits tile[kTile][kTile + 1];
   const int64_t block = blockIdx.x;
-  if (jobs.weights.blocks > 0 && block >= jobs.weights.block_begin) {
+  if (jobs.repack_count > 1 && block >= jobs.repack[1].block_begin) {
+    repack(jobs.repack[1], block - jobs.repack[1].block_begin);
+  } else if (jobs.repack_count > 0 && block >= jobs.repack[0].block_begin) {
+    repack(jobs.repack[0], block - jobs.repack[0].block_begin);
+  } else if (jobs.weights.blocks > 0 && block >= jobs.weights.block_begin) {
     transform_weights(jobs.weights, block - jobs.weights.block_begin);
   } else if (jobs.transpose_count > 1 && block >= jobs.transpose[1].block_begin) {
     transpose_tile(jobs.transpose[1], block - jobs.transpose[1].block_begin, tile);
@@ -549,10 +587,22 @@ TransposeJob<Bits> to_nchw(const void* in, void* out, int64_t N, int64_t G, int6
   return job;
 }
 
-// One launch for up to two transposes and the weight transform (all independent).
+template <class Bits>
+RepackJob<Bits> repack_job(const void* in, void* out, int64_t rows, int64_t G, int64_t channels,
+                           int64_t padded, bool pad) {
+  RepackJob<Bits> job{};
+  job.in = static_cast<const Bits*>(in);
+  job.out = static_cast<Bits*>(out);
+  job.rows = rows, job.groups = G, job.channels = channels, job.padded = padded, job.pad = pad;
+  return job;
+}
+
+// One launch for up to two transposes or repacks and the weight transform (all independent).
+// Repacks come after the weights; both loop over their elements with a bounded grid.
 template <class Bits>
 ffi::Error launch_layout(cudaStream_t stream, std::initializer_list<TransposeJob<Bits>> transposes,
-                         const WeightJob<Bits>* weights = nullptr) {
+                         const WeightJob<Bits>* weights = nullptr,
+                         std::initializer_list<RepackJob<Bits>> repacks = {}) {
   LayoutJobs<Bits> jobs{};
   int64_t blocks = 0;
   for (const TransposeJob<Bits>& job : transposes) {
@@ -568,6 +618,15 @@ ffi::Error launch_layout(cudaStream_t stream, std::initializer_list<TransposeJob
         1024, ceil_div(weights->weight_count + weights->bias_count, kLayoutThreads));
     blocks += jobs.weights.blocks;
   }
+  for (const RepackJob<Bits>& job : repacks) {
+    RepackJob<Bits>& slot = jobs.repack[jobs.repack_count++];
+    slot = job;
+    slot.block_begin = blocks;
+    slot.blocks = std::min<int64_t>(
+        int64_t(1) << 16, std::max<int64_t>(1, ceil_div(job.groups * job.rows * job.padded, kLayoutThreads)));
+    blocks += slot.blocks;
+  }
+  if (blocks == 0) return ffi::Error::Success();
   if (blocks > INT_MAX) return ffi::Error::InvalidArgument("conv2d: tensor too large to transpose");
   layout_kernel<Bits><<<unsigned(blocks), kLayoutThreads, 0, stream>>>(jobs);
   return launch_status("conv2d (layout)");
@@ -719,13 +778,14 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
   const int64_t w_group = Kgp * p.R * p.S * Cgp * eb;
   NhwcConv c = plan.conv;
 
-  // Channels last: the tensors are used in place (plan_nhwc took one group, no padding).
-  const bool in_place = p.layout == ConvLayout::kNHWC;
+  // Channels last: the tensors are used in place where plan_nhwc allowed it, else repacked.
+  const bool hwio = p.layout == ConvLayout::kNHWC, in_place = plan.in_place;
   WeightJob<Bits> weights{};
   weights.w = static_cast<const Bits*>(b);
   weights.Kg = Kg, weights.Cg = Cg, weights.R = p.R, weights.S = p.S;
   weights.Kgp = Kgp, weights.Cgp = Cgp;
-  weights.hwio = in_place, weights.groups = G;
+  weights.hwio = hwio, weights.groups = G;
+  const int64_t input_rows = p.N * input_pixels, output_rows = p.N * output_pixels;
   weights.weight_count = G * Kgp * p.R * p.S * Cgp;
 
   switch (query.pass) {
@@ -741,10 +801,13 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
         weights.bias_count = G * Kgp;
       }
       if (has(steps, kImplicitGemmLayoutIn)) {
-        ffi::Error e = in_place ? launch_layout<Bits>(stream, {}, &weights)
-                                : launch_layout<Bits>(
-                                      stream, {to_nhwc<Bits>(a, x_nhwc, p.N, G, Cg, input_pixels, Cgp)},
-                                      &weights);
+        ffi::Error e =
+            in_place ? launch_layout<Bits>(stream, {}, &weights)
+            : hwio   ? launch_layout<Bits>(stream, {}, &weights,
+                                           {repack_job<Bits>(a, x_nhwc, input_rows, G, Cg, Cgp, true)})
+                     : launch_layout<Bits>(
+                           stream, {to_nhwc<Bits>(a, x_nhwc, p.N, G, Cg, input_pixels, Cgp)},
+                           &weights);
         if (e.failure()) return e;
       }
       for (int64_t g = 0; g < G && has(steps, kImplicitGemmCutlass); ++g) {
@@ -755,6 +818,9 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
         if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
       }
       if (in_place || !has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
+      if (hwio)
+        return launch_layout<Bits>(stream, {}, nullptr,
+                                   {repack_job<Bits>(y_nhwc, out, output_rows, G, Kg, Kgp, false)});
       return launch_layout<Bits>(stream,
                                  {to_nchw<Bits>(y_nhwc, out, p.N, G, output_pixels, Kg, Kgp)});
     }
@@ -765,10 +831,13 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
       weights.out = reinterpret_cast<Bits*>(w_t);
       weights.flip = plan.dgrad_as_fprop;
       if (has(steps, kImplicitGemmLayoutIn)) {
-        ffi::Error e = in_place ? launch_layout<Bits>(stream, {}, &weights)
-                                : launch_layout<Bits>(
-                                      stream, {to_nhwc<Bits>(a, dy_nhwc, p.N, G, Kg, output_pixels, Kgp)},
-                                      &weights);
+        ffi::Error e =
+            in_place ? launch_layout<Bits>(stream, {}, &weights)
+            : hwio   ? launch_layout<Bits>(stream, {}, &weights,
+                                           {repack_job<Bits>(a, dy_nhwc, output_rows, G, Kg, Kgp, true)})
+                     : launch_layout<Bits>(
+                           stream, {to_nhwc<Bits>(a, dy_nhwc, p.N, G, Kg, output_pixels, Kgp)},
+                           &weights);
         if (e.failure()) return e;
       }
       for (int64_t g = 0; g < G && has(steps, kImplicitGemmCutlass); ++g) {
@@ -778,6 +847,9 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
         if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
       }
       if (in_place || !has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
+      if (hwio)
+        return launch_layout<Bits>(stream, {}, nullptr,
+                                   {repack_job<Bits>(dx_nhwc, out, input_rows, G, Cg, Cgp, false)});
       return launch_layout<Bits>(stream,
                                  {to_nchw<Bits>(dx_nhwc, out, p.N, G, input_pixels, Cg, Cgp)});
     }
@@ -786,12 +858,17 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
       char* dy_nhwc = region(base, plan, 0);
       char* x_nhwc = region(base, plan, 1);
       float* partials = reinterpret_cast<float*>(region(base, plan, 2));
-      if (has(steps, kImplicitGemmLayoutIn) && !in_place)
-        if (ffi::Error e = launch_layout<Bits>(
-                stream, {to_nhwc<Bits>(a, dy_nhwc, p.N, G, Kg, output_pixels, Kgp),
-                         to_nhwc<Bits>(b, x_nhwc, p.N, G, Cg, input_pixels, Cgp)});
-            e.failure())
-          return e;
+      if (has(steps, kImplicitGemmLayoutIn) && !in_place) {
+        ffi::Error e =
+            hwio ? launch_layout<Bits>(
+                       stream, {}, nullptr,
+                       {repack_job<Bits>(a, dy_nhwc, output_rows, G, Kg, Kgp, true),
+                        repack_job<Bits>(b, x_nhwc, input_rows, G, Cg, Cgp, true)})
+                 : launch_layout<Bits>(
+                       stream, {to_nhwc<Bits>(a, dy_nhwc, p.N, G, Kg, output_pixels, Kgp),
+                                to_nhwc<Bits>(b, x_nhwc, p.N, G, Cg, input_pixels, Cgp)});
+        if (e.failure()) return e;
+      }
       const int64_t partial_size = Kgp * p.R * p.S * Cgp;
       for (int64_t g = 0; g < G && has(steps, kImplicitGemmCutlass); ++g) {
         c.a = in_place ? a : dy_nhwc + g * y_group;
@@ -802,7 +879,7 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
       if (!has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
       WgradReduction r{};
       r.Kg = Kg, r.Cg = Cg, r.R = p.R, r.S = p.S, r.Cgp = Cgp;
-      r.hwio = in_place, r.groups = G;
+      r.hwio = hwio, r.groups = G;
       r.quads = G * Kg * p.R * p.S * ceil_div(Cg, 4);
       r.slices = c.split_k, r.slice_stride = partial_size, r.group_stride = c.split_k * partial_size;
       return launch_wgrad_reduce(stream, query.dtype, partials, out, r);
@@ -879,7 +956,7 @@ bool implicit_gemm_layout_info(const ConvQuery& query, bool with_bias,
   // NHWC route: the transposes read the valid channels and write the padded ones; the weight
   // transform writes the padded [G][Kgp][R][S][Cgp] (or its flipped transpose).
   const int64_t G = plan.groups, Kgp = plan.Kgp, Cgp = plan.Cgp;
-  if (p.layout == ConvLayout::kNHWC) {  // in place: the weights in, wgrad's reduction out
+  if (plan.in_place) {  // channels last in place: the weights in, wgrad's reduction out
     info->in_launches = query.pass == ConvPass::kBackwardWeight ? 0 : 1;
     info->in_bytes = info->in_launches * 2 * w_count * eb;
     if (query.pass == ConvPass::kForward && with_bias) info->in_bytes += 2 * p.K * eb;
@@ -892,6 +969,7 @@ bool implicit_gemm_layout_info(const ConvQuery& query, bool with_bias,
     }
     return true;
   }
+  const bool last = p.layout == ConvLayout::kNHWC;  // repacked channels last, else NCHW
   const int64_t x_nhwc = G * p.N * p.H * p.W * Cgp, y_nhwc = G * p.N * p.P * p.Q * Kgp;
   const int64_t w_padded = G * Kgp * p.R * p.S * Cgp;
   const int64_t weight_bytes = (w_count + w_padded) * eb;
@@ -901,22 +979,24 @@ bool implicit_gemm_layout_info(const ConvQuery& query, bool with_bias,
       info->in_bytes = (x_count + x_nhwc) * eb + weight_bytes;
       if (with_bias) info->in_bytes += (p.K + G * Kgp) * eb;
       info->out_bytes = 2 * y_count * eb;
-      say(info->in_what, with_bias ? "x to NHWC + weights + bias" : "x to NHWC + weights");
-      say(info->out_what, "y to NCHW");
+      say(info->in_what, std::string(last ? "x repacked" : "x to NHWC") +
+                             (with_bias ? " + weights + bias" : " + weights"));
+      say(info->out_what, last ? "y unpacked" : "y to NCHW");
       break;
     case ConvPass::kBackwardData:
       info->in_bytes = (y_count + y_nhwc) * eb + weight_bytes;
       info->out_bytes = 2 * x_count * eb;
       say(info->in_what,
-          plan.dgrad_as_fprop ? "dy to NHWC + weights flipped" : "dy to NHWC + weights");
-      say(info->out_what, "dx to NCHW");
+          std::string(last ? "dy repacked" : "dy to NHWC") +
+              (plan.dgrad_as_fprop ? " + weights flipped" : " + weights"));
+      say(info->out_what, last ? "dx unpacked" : "dx to NCHW");
       break;
     case ConvPass::kBackwardWeight:
     default: {
       info->in_bytes = (y_count + y_nhwc + x_count + x_nhwc) * eb;
       const int64_t split = plan.conv.split_k;
       info->out_bytes = G * split * plan.Kg * p.R * p.S * round_up(plan.Cg, 4) * 4 + w_count * eb;
-      say(info->in_what, "dy and x to NHWC");
+      say(info->in_what, last ? "dy and x repacked" : "dy and x to NHWC");
       say(info->out_what, "reduction of " + std::to_string(split) + " split-K partials");
       break;
     }
