@@ -218,8 +218,11 @@ def test_flax_conv2d_dtype_and_param_dtype_follow_nnx_conv():
     x = normal(0, (2, 8, 8, 3))
     for kwargs in (dict(dtype=jnp.float32), dict(param_dtype=jnp.bfloat16, dtype=jnp.float32),
                    dict(param_dtype=jnp.float32)):
-        ours = jkf.Conv2d(3, 4, 3, rngs=nnx.Rngs(0), **kwargs)
-        ref = nnx.Conv(3, 4, (3, 3), rngs=nnx.Rngs(0), **kwargs)
+        # Full float32 on both sides: by default each may multiply in TF32 on a GPU (jk's
+        # tensor-core path, cuDNN), with its own rounding.
+        ours = jkf.Conv2d(3, 4, 3, rngs=nnx.Rngs(0), precision="highest", **kwargs)
+        ref = nnx.Conv(3, 4, (3, 3), rngs=nnx.Rngs(0), precision=jax.lax.Precision.HIGHEST,
+                       **kwargs)
         assert ours.kernel.dtype == ref.kernel.dtype == kwargs["param_dtype"] \
             if "param_dtype" in kwargs else ours.kernel.dtype == jnp.float32
         y_ours, y_ref = ours(x), ref(x)
