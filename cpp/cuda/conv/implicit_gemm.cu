@@ -12,11 +12,19 @@
 //   through an NHWC -> NCHW transpose, wgrad through a fixed-order reduction of its split-K
 //   partials straight into KCRS. Unit-stride dgrad is an fprop on flipped, transposed weights;
 //   strided dgrad has its own CUTLASS kernel.
+// - im2col: dense problems with few input channels (3-channel stems), where the implicit GEMM
+//   would fill most of its K tile with zeros: the columns [N*P*Q][R*S*C padded] are written to
+//   the scratch and a 1x1 problem runs over them; dgrad gathers its columns back per input
+//   element (col2im, fixed tap order), wgrad reduces [K][R*S*C] partials into the weights.
 // Channels-last problems (ConvProblem::layout NHWC, HWIO weights) take the NHWC route with no
-// activation copies: CUTLASS reads x / dy and writes y / dx where they are; only the weights are
-// transformed (HWIO to KRSC, or its flipped transpose for dgrad) and wgrad's split-K partials
-// reduced into HWIO. That needs one group and channel and filter counts that are multiples of the
-// 128-bit access; the direct channels-last kernels run the rest.
+// activation copies where CUTLASS can read them in place: x / dy read and y / dx written where
+// they are, only the weights transformed (HWIO to KRSC, or its flipped transpose for dgrad) and
+// wgrad's split-K partials reduced into HWIO. That needs one group and channel and filter counts
+// that are multiples of the 128-bit access; other channels-last problems are repacked (padded
+// channels, groups apart) the way NCHW ones are transposed.
+// On a Hopper GPU (compute capability 9.0) the forward and unit-stride dgrad kernels are
+// CUTLASS 3.x sm_90a kernels (implicit_gemm_sm90.cuh); everywhere else, and for wgrad, strided
+// dgrad and float32x3, the Sm80 ones (implicit_gemm_kernels.cuh).
 // Every pass is bitwise reproducible: no atomics anywhere, split-K partials go to separate
 // buffers and are summed in a fixed order.
 //
@@ -139,7 +147,7 @@ ffi::Error run(Math math, const Problem& problem, cudaStream_t stream) {
 
 // ---- Planning (host only, identical at trace time and at run time) ----------------------------
 
-enum class Route { kDecline, kGemm, kNhwc };
+enum class Route { kDecline, kGemm, kNhwc, kIm2col };
 
 struct Plan {
   Route route = Route::kDecline;
@@ -152,6 +160,10 @@ struct Plan {
   // NHWC route on channels-last tensors read and written where they are (one group, channel and
   // filter counts multiples of the access width); other channels-last problems are repacked.
   bool in_place = false;
+  // kIm2col: the columns R*S*C padded to the access width (conv is then a 1x1 problem over them),
+  // and whether the NHWC output (fwd) or output gradient (dgrad, wgrad) is used in place.
+  int64_t columns = 0, columns_padded = 0;
+  bool y_in_place = false;
   NhwcConv conv{};  // one group's problem; pointers are set at run time
   BatchedGemm gemm{};  // GEMM route; pointers are set at run time
   // Scratch regions (byte offsets from the 256-byte aligned base) and the bytes to ask for.
@@ -343,6 +355,71 @@ bool plan_nhwc(const ConvQuery& query, Plan* plan) {
   return true;
 }
 
+// Few input channels (3-channel stems: C padded to the access width is a fraction of the
+// kernels' 128-byte K tile, which the implicit GEMM would fill with zeros tap by tap): an explicit
+// im2col into [N*P*Q][R*S*C padded] in the scratch, then a 1x1 problem on the tensor cores; dgrad
+// sums its [N*P*Q][R*S*C] result back over the taps (a gather per input element, no atomics).
+// Taken for one group, more than one tap, C * 8 <= the K tile (the implicit GEMM would waste 7/8
+// of it or more), and columns no larger than four times input plus output.
+bool plan_im2col(const ConvQuery& query, Plan* plan) {
+  const ConvProblem& p = query.problem;
+  const int64_t a = plan->alignment, eb = plan->element_bytes;
+  if (p.groups != 1 || p.R * p.S < 2 || p.C * 8 > 128 / eb) return false;
+  const int64_t columns = p.R * p.S * p.C, Cp = round_up(columns, a), Kp = round_up(p.K, a);
+  const int64_t rows = p.N * p.P * p.Q;
+  const int64_t x_bytes = checked_product({p.N, p.H, p.W, p.C, eb});
+  const int64_t y_bytes = checked_product({rows, p.K, eb});
+  const int64_t cols_bytes = checked_product({rows, Cp, eb});
+  const int64_t y_padded = checked_product({rows, Kp, eb});
+  const int64_t w_bytes = checked_product({Kp, Cp, eb});
+  if (!fits_int({Cp, Kp}) || !cutlass_tensors_fit({x_bytes, y_bytes, cols_bytes, y_padded, w_bytes}))
+    return false;
+  if (cols_bytes > 4 * (x_bytes + y_bytes)) return false;
+  plan->groups = 1, plan->Cg = p.C, plan->Kg = p.K, plan->Cgp = Cp, plan->Kgp = Kp;
+  plan->columns = columns, plan->columns_padded = Cp;
+  plan->y_in_place = p.layout == ConvLayout::kNHWC && Kp == p.K;
+  const int64_t y_region = plan->y_in_place ? 0 : y_padded;
+  NhwcConv& c = plan->conv;
+  c = NhwcConv{};
+  c.N = int(p.N), c.H = c.P = int(p.P), c.W = c.Q = int(p.Q), c.C = int(Cp), c.K = int(Kp);
+  c.R = c.S = 1, c.stride_h = c.stride_w = c.dilation_h = c.dilation_w = 1;
+  c.split_k = 1;
+  switch (query.pass) {
+    case ConvPass::kForward:
+      c.kernel = NhwcKernel::kFprop;
+      c.tile = Kp <= 64 ? TileClass::kNarrow : TileClass::kWide;
+      if (!lay_out_scratch(plan, {cols_bytes, w_bytes, Kp * eb, y_region})) return false;
+      break;
+    case ConvPass::kBackwardData:
+      // dcolumns [rows][Cp] = dy [rows][Kp] x w^T: an fprop with Cp filters of Kp channels.
+      plan->dgrad_as_fprop = true;
+      c.kernel = NhwcKernel::kFprop;
+      c.C = int(Kp), c.K = int(Cp);
+      c.tile = Cp <= 64 ? TileClass::kNarrow : TileClass::kWide;
+      if (!lay_out_scratch(plan, {y_region, w_bytes, cols_bytes})) return false;
+      break;
+    case ConvPass::kBackwardWeight: {
+      c.kernel = NhwcKernel::kWgrad;
+      c.tile = Kp <= 64 ? TileClass::kNarrow : TileClass::kWide;
+      const int64_t tiles = output_tiles(plan->math, c);
+      const int64_t k_iterations = ceil_div(rows, 128 / eb);
+      int64_t split = std::min(kMaxSplitK, ceil_div(2 * kNominalSms, tiles));
+      split = std::max<int64_t>(1, std::min(split, k_iterations / kMinKIterationsPerSlice));
+      c.split_k = int(split);
+      if (!lay_out_scratch(plan, {y_region, cols_bytes, checked_product({split, Kp, Cp, 4})}))
+        return false;
+      break;
+    }
+  }
+  if (c.kernel == NhwcKernel::kFprop && hopper_kernels() && sm90_math(plan->math)) {
+    c.sm90 = true;
+    if (!can_implement(plan->math, c)) c.sm90 = false;
+  }
+  if (!can_implement(plan->math, c)) return false;
+  plan->route = Route::kIm2col;
+  return true;
+}
+
 Plan make_plan(const ConvQuery& query) {
   Plan plan;
   const ConvProblem& p = query.problem;
@@ -364,6 +441,8 @@ Plan make_plan(const ConvQuery& query) {
   plan.alignment = 16 / plan.element_bytes;
   Plan gemm = plan;
   if (p.layout == ConvLayout::kNCHW && plan_gemm(query, &gemm)) return gemm;
+  Plan im2col = plan;
+  if (plan_im2col(query, &im2col)) return im2col;
   Plan nhwc = plan;
   if (plan_nhwc(query, &nhwc)) return nhwc;
   return Plan{};
@@ -410,6 +489,9 @@ struct WeightJob {
   bool flip;
   bool hwio;  // the weights are HWIO [R][S][Cg][G*Kg] (channels last), else KCRS
   int64_t groups;
+  // im2col route: R = S = 1 and channel c is column (r * S + s) * C + tap's channel of the
+  // weights' own taps flat_R x flat_S over flat_C channels (0: off).
+  int64_t flat_R, flat_S, flat_C;
   int64_t weight_count, bias_count;
   int64_t block_begin, blocks;  // blocks == 0: no weight job in this launch
 };
@@ -505,9 +587,16 @@ __device__ void transform_weights(const WeightJob<Bits>& job, int64_t block) {
       const int64_t k = job.flip ? inner : outer, c = job.flip ? outer : inner;
       const int64_t tap = job.flip ? (job.R - 1 - r) * job.S + (job.S - 1 - s) : r * job.S + s;
       Bits value = 0;
-      if (k < job.Kg && c < job.Cg)
-        value = job.hwio ? job.w[(tap * job.Cg + c) * job.groups * job.Kg + g * job.Kg + k]
-                         : job.w[((g * job.Kg + k) * job.Cg + c) * job.R * job.S + tap];
+      if (k < job.Kg && c < job.Cg) {
+        int64_t channel = c, source_tap = tap, channels = job.Cg, taps = job.R * job.S;
+        if (job.flat_C > 0) {
+          channel = c % job.flat_C, source_tap = c / job.flat_C;
+          channels = job.flat_C, taps = job.flat_R * job.flat_S;
+        }
+        value = job.hwio
+                    ? job.w[(source_tap * channels + channel) * job.groups * job.Kg + g * job.Kg + k]
+                    : job.w[((g * job.Kg + k) * channels + channel) * taps + source_tap];
+      }
       job.out[idx] = value;
     } else {
       const int64_t j = idx - job.weight_count;
@@ -642,6 +731,9 @@ struct WgradReduction {
   int64_t groups;
   int64_t quads;  // G * Kg * R * S * ceil(Cg / 4)
   int64_t slices, slice_stride, group_stride;
+  // im2col route: R = S = 1 and channel c is column (r * S + s) * flat_C + channel of the
+  // weights' own flat_R x flat_S taps (0: off).
+  int64_t flat_R, flat_S, flat_C;
 };
 
 constexpr int kReduceWarps = kLayoutThreads / 32;
@@ -678,6 +770,15 @@ __global__ void __launch_bounds__(kLayoutThreads)
     sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
   }
   const float values[4] = {sum.x, sum.y, sum.z, sum.w};
+  if (r.flat_C > 0) {  // one group; columns back to the weights' taps and channels
+    for (int e = 0; e < 4 && c0 + e < r.Cg; ++e) {
+      const int64_t channel = (c0 + e) % r.flat_C, tap = (c0 + e) / r.flat_C;
+      T* out = r.hwio ? dw + (tap * r.flat_C + channel) * r.Kg + k
+                      : dw + (k * r.flat_C + channel) * r.flat_R * r.flat_S + tap;
+      *out = from_acc<T>(values[e]);
+    }
+    return;
+  }
   if (r.hwio) {
     T* out = dw + ((tap_r * r.S + s) * r.Cg + c0) * r.groups * r.Kg + g * r.Kg + k;
     for (int e = 0; e < 4 && c0 + e < r.Cg; ++e) out[e * r.groups * r.Kg] = from_acc<T>(values[e]);
@@ -705,6 +806,87 @@ ffi::Error launch_wgrad_reduce(cudaStream_t stream, ConvDtype dtype, const float
       break;
   }
   return launch_status("conv2d (wgrad reduction)");
+}
+
+// ---- im2col route (plan_im2col) ------------------------------------------------------------------
+
+// columns[(n, p, q)][(r * S + s) * C + c] = x at (n, c, input_row(p, r), input_col(q, s)), zero
+// outside the input and past the R*S*C columns (up to the padded width); x NCHW or NHWC.
+template <class Bits>
+__global__ void __launch_bounds__(kLayoutThreads)
+    im2col_kernel(const Bits* x, Bits* columns, ConvProblem p, int64_t padded, int64_t count) {
+  const TensorStrides xs = p.input_strides();
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < count; idx += stride) {
+    const int64_t j = idx % padded, row = idx / padded;
+    Bits value = 0;
+    if (j < p.R * p.S * p.C) {
+      const int64_t c = j % p.C, tap = j / p.C, q = row % p.Q, np = row / p.Q;
+      const int64_t h = p.input_row(np % p.P, tap / p.S), w = p.input_col(q, tap % p.S);
+      if (h >= 0 && h < p.H && w >= 0 && w < p.W) value = x[xs.at(np / p.P, c, h, w)];
+    }
+    columns[idx] = value;
+  }
+}
+
+// dx at (n, c, h, w) = sum over the taps (r, s) that read it of dcolumns[(n, p, q)][(r * S + s)
+// * C + c], in tap order: the transpose of im2col as a gather (no atomics, fixed order).
+template <class T>
+__global__ void __launch_bounds__(kLayoutThreads)
+    col2im_kernel(const T* dcolumns, T* dx, ConvProblem p, int64_t padded, int64_t count) {
+  const TensorStrides xs = p.input_strides();
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < count; idx += stride) {
+    // idx runs over dx in its own layout: (n, c, h, w) for NCHW, (n, h, w, c) for NHWC.
+    int64_t n, c, h, w;
+    if (p.layout == ConvLayout::kNHWC) {
+      c = idx % p.C, w = idx / p.C % p.W, h = idx / (p.C * p.W) % p.H, n = idx / (p.C * p.W * p.H);
+    } else {
+      w = idx % p.W, h = idx / p.W % p.H, c = idx / (p.W * p.H) % p.C, n = idx / (p.W * p.H * p.C);
+    }
+    acc_t<T> sum = 0;
+    for (int64_t r = 0; r < p.R; ++r) {
+      const int64_t u = h + p.pad_top - r * p.dilation_h;
+      if (u < 0 || u % p.stride_h != 0 || u / p.stride_h >= p.P) continue;
+      for (int64_t s = 0; s < p.S; ++s) {
+        const int64_t v = w + p.pad_left - s * p.dilation_w;
+        if (v < 0 || v % p.stride_w != 0 || v / p.stride_w >= p.Q) continue;
+        const int64_t row = (n * p.P + u / p.stride_h) * p.Q + v / p.stride_w;
+        sum += to_acc(dcolumns[row * padded + (r * p.S + s) * p.C + c]);
+      }
+    }
+    dx[xs.at(n, c, h, w)] = from_acc<T>(sum);
+  }
+}
+
+template <class Bits>
+ffi::Error launch_im2col(cudaStream_t stream, const ConvProblem& p, const void* x, void* columns,
+                         int64_t padded) {
+  const int64_t count = p.N * p.P * p.Q * padded;
+  im2col_kernel<Bits><<<grid_blocks(count, kLayoutThreads), kLayoutThreads, 0, stream>>>(
+      static_cast<const Bits*>(x), static_cast<Bits*>(columns), p, padded, count);
+  return launch_status("conv2d (im2col)");
+}
+
+ffi::Error launch_col2im(cudaStream_t stream, ConvDtype dtype, const ConvProblem& p,
+                         const void* dcolumns, void* dx, int64_t padded) {
+  const int64_t count = p.N * p.C * p.H * p.W;
+  const unsigned blocks = grid_blocks(count, kLayoutThreads);
+  switch (dtype) {
+    case ConvDtype::kFloat16:
+      col2im_kernel<<<blocks, kLayoutThreads, 0, stream>>>(
+          static_cast<const float16*>(dcolumns), static_cast<float16*>(dx), p, padded, count);
+      break;
+    case ConvDtype::kBFloat16:
+      col2im_kernel<<<blocks, kLayoutThreads, 0, stream>>>(
+          static_cast<const bfloat16*>(dcolumns), static_cast<bfloat16*>(dx), p, padded, count);
+      break;
+    default:
+      col2im_kernel<<<blocks, kLayoutThreads, 0, stream>>>(
+          static_cast<const float*>(dcolumns), static_cast<float*>(dx), p, padded, count);
+      break;
+  }
+  return launch_status("conv2d (col2im)");
 }
 
 // out[k][p] = bias[k]: the bias as a [K x pixels] matrix, the epilogue source of the 1x1 GEMM
@@ -887,12 +1069,109 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
   }
 }
 
+// The im2col route: columns in (im2col of x; dy to [rows][Kp] unless used in place), the 1x1
+// problem on the tensor cores, then y out (unless in place), dx back through col2im, or dw
+// through the split-K reduction.
+template <class Bits>
+ffi::Error run_im2col_route(cudaStream_t stream, const ConvQuery& query, const Plan& plan,
+                            const void* a, const void* b, const void* bias, void* out, char* base,
+                            unsigned steps) {
+  const ConvProblem& p = query.problem;
+  const bool hwio = p.layout == ConvLayout::kNHWC;
+  const int64_t Kp = plan.Kgp, Cp = plan.columns_padded, rows = p.N * p.P * p.Q;
+  NhwcConv c = plan.conv;
+  WeightJob<Bits> weights{};
+  weights.w = static_cast<const Bits*>(b);
+  weights.Kg = p.K, weights.Cg = plan.columns, weights.R = weights.S = 1;
+  weights.Kgp = Kp, weights.Cgp = Cp, weights.hwio = hwio, weights.groups = 1;
+  weights.flat_R = p.R, weights.flat_S = p.S, weights.flat_C = p.C;
+  weights.weight_count = Kp * Cp;
+  // dy (dgrad, wgrad) as [rows][Kp]: in place when channels last and aligned, else copied.
+  auto dy_rows = [&](char* region) -> ffi::Error {
+    if (plan.y_in_place) return ffi::Error::Success();
+    return hwio ? launch_layout<Bits>(stream, {}, nullptr,
+                                      {repack_job<Bits>(a, region, rows, 1, p.K, Kp, true)})
+                : launch_layout<Bits>(stream,
+                                      {to_nhwc<Bits>(a, region, p.N, 1, p.K, p.P * p.Q, Kp)});
+  };
+  switch (query.pass) {
+    case ConvPass::kForward: {
+      char* columns = region(base, plan, 0);
+      char* bias_padded = region(base, plan, 2);
+      char* y_rows = plan.y_in_place ? static_cast<char*>(out) : region(base, plan, 3);
+      weights.out = reinterpret_cast<Bits*>(region(base, plan, 1));
+      if (bias != nullptr) {
+        weights.bias = static_cast<const Bits*>(bias);
+        weights.bias_out = reinterpret_cast<Bits*>(bias_padded);
+        weights.bias_count = Kp;
+      }
+      if (has(steps, kImplicitGemmLayoutIn)) {
+        if (ffi::Error e = launch_layout<Bits>(stream, {}, &weights); e.failure()) return e;
+        if (ffi::Error e = launch_im2col<Bits>(stream, p, a, columns, Cp); e.failure()) return e;
+      }
+      if (has(steps, kImplicitGemmCutlass)) {
+        c.a = columns, c.b = weights.out, c.d = y_rows;
+        c.c = bias != nullptr ? bias_padded : nullptr;
+        if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
+      }
+      if (plan.y_in_place || !has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
+      return hwio ? launch_layout<Bits>(stream, {}, nullptr,
+                                        {repack_job<Bits>(y_rows, out, rows, 1, p.K, Kp, false)})
+                  : launch_layout<Bits>(stream,
+                                        {to_nchw<Bits>(y_rows, out, p.N, 1, p.P * p.Q, p.K, Kp)});
+    }
+    case ConvPass::kBackwardData: {
+      char* dy = plan.y_in_place ? const_cast<char*>(static_cast<const char*>(a))
+                                 : region(base, plan, 0);
+      char* dcolumns = region(base, plan, 2);
+      weights.out = reinterpret_cast<Bits*>(region(base, plan, 1));
+      weights.flip = true;  // [Cp][Kp]: the transpose (R = S = 1, nothing to flip)
+      if (has(steps, kImplicitGemmLayoutIn)) {
+        if (ffi::Error e = launch_layout<Bits>(stream, {}, &weights); e.failure()) return e;
+        if (ffi::Error e = dy_rows(dy); e.failure()) return e;
+      }
+      if (has(steps, kImplicitGemmCutlass)) {
+        c.a = dy, c.b = weights.out, c.d = dcolumns;
+        if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
+      }
+      if (!has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
+      return launch_col2im(stream, query.dtype, p, dcolumns, out, Cp);
+    }
+    case ConvPass::kBackwardWeight:
+    default: {
+      char* dy = plan.y_in_place ? const_cast<char*>(static_cast<const char*>(a))
+                                 : region(base, plan, 0);
+      char* columns = region(base, plan, 1);
+      float* partials = reinterpret_cast<float*>(region(base, plan, 2));
+      if (has(steps, kImplicitGemmLayoutIn)) {
+        if (ffi::Error e = dy_rows(dy); e.failure()) return e;
+        if (ffi::Error e = launch_im2col<Bits>(stream, p, b, columns, Cp); e.failure()) return e;
+      }
+      if (has(steps, kImplicitGemmCutlass)) {
+        c.a = dy, c.b = columns, c.d = partials;
+        if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
+      }
+      if (!has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
+      WgradReduction r{};
+      r.Kg = p.K, r.Cg = plan.columns, r.R = r.S = 1, r.Cgp = Cp;
+      r.hwio = hwio, r.groups = 1;
+      r.flat_R = p.R, r.flat_S = p.S, r.flat_C = p.C;
+      r.quads = p.K * ceil_div(plan.columns, 4);
+      r.slices = c.split_k, r.slice_stride = Kp * Cp, r.group_stride = 0;
+      return launch_wgrad_reduce(stream, query.dtype, partials, out, r);
+    }
+  }
+}
+
 template <class Bits>
 ffi::Error run_plan(cudaStream_t stream, const ConvQuery& query, const Plan& plan, const void* a,
                     const void* b, const void* bias, void* out, char* base, unsigned steps) {
-  return plan.route == Route::kGemm
-             ? run_gemm_route<Bits>(stream, query, plan, a, b, bias, out, base, steps)
-             : run_nhwc_route<Bits>(stream, query, plan, a, b, bias, out, base, steps);
+  switch (plan.route) {
+    case Route::kGemm: return run_gemm_route<Bits>(stream, query, plan, a, b, bias, out, base, steps);
+    case Route::kIm2col:
+      return run_im2col_route<Bits>(stream, query, plan, a, b, bias, out, base, steps);
+    default: return run_nhwc_route<Bits>(stream, query, plan, a, b, bias, out, base, steps);
+  }
 }
 
 }  // namespace
@@ -939,7 +1218,35 @@ bool implicit_gemm_layout_info(const ConvQuery& query, bool with_bias,
     std::snprintf(what, sizeof what, "%s", text.c_str());
   };
   info->nhwc_route = plan.route == Route::kNhwc;
-  info->sm90 = info->nhwc_route && plan.conv.sm90;
+  info->sm90 = plan.route != Route::kGemm && plan.conv.sm90;
+  if (plan.route == Route::kIm2col) {  // columns in (and dy unless in place), y/dx/dw out
+    const int64_t columns = p.N * p.P * p.Q * plan.columns_padded;
+    const int64_t dy_copy = plan.y_in_place ? 0 : y_count + p.N * p.P * p.Q * plan.Kgp;
+    info->in_launches = info->out_launches = 1;
+    switch (query.pass) {
+      case ConvPass::kForward:
+        info->in_bytes = (x_count + columns + 2 * w_count) * eb;
+        info->out_bytes = plan.y_in_place ? 0 : (y_count + p.N * p.P * p.Q * plan.Kgp) * eb;
+        info->out_launches = plan.y_in_place ? 0 : 1;
+        say(info->in_what, "im2col of x + weights");
+        say(info->out_what, "y unpacked");
+        break;
+      case ConvPass::kBackwardData:
+        info->in_bytes = (dy_copy + 2 * w_count) * eb;
+        info->out_bytes = (columns + x_count) * eb;
+        say(info->in_what, "dy rows + weights");
+        say(info->out_what, "col2im of dcolumns");
+        break;
+      case ConvPass::kBackwardWeight:
+      default:
+        info->in_bytes = (dy_copy + x_count + columns) * eb;
+        info->out_bytes = plan.conv.split_k * plan.Kgp * plan.columns_padded * 4 + w_count * eb;
+        say(info->in_what, "dy rows + im2col of x");
+        say(info->out_what, "reduction of split-K partials");
+        break;
+    }
+    return true;
+  }
   if (plan.route == Route::kGemm) {
     if (query.pass == ConvPass::kForward && with_bias) {
       info->in_launches = 1;
