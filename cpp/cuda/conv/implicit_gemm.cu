@@ -811,80 +811,105 @@ ffi::Error launch_wgrad_reduce(cudaStream_t stream, ConvDtype dtype, const float
 // ---- im2col route (plan_im2col) ------------------------------------------------------------------
 
 // columns[(n, p, q)][(r * S + s) * C + c] = x at (n, c, input_row(p, r), input_col(q, s)), zero
-// outside the input and past the R*S*C columns (up to the padded width); x NCHW or NHWC.
-template <class Bits>
+// outside the input and past the R*S*C columns (up to the padded width); x NCHW or NHWC. One
+// thread per (row, tap) copies the tap's C channels (tap R*S zero-fills the padding): index math
+// once per C elements, in 32 bits where the item count allows (Index).
+template <class Bits, class Index>
 __global__ void __launch_bounds__(kLayoutThreads)
-    im2col_kernel(const Bits* x, Bits* columns, ConvProblem p, int64_t padded, int64_t count) {
+    im2col_kernel(const Bits* x, Bits* columns, ConvProblem p, int64_t padded, Index items) {
   const TensorStrides xs = p.input_strides();
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < count; idx += stride) {
-    const int64_t j = idx % padded, row = idx / padded;
-    Bits value = 0;
-    if (j < p.R * p.S * p.C) {
-      const int64_t c = j % p.C, tap = j / p.C, q = row % p.Q, np = row / p.Q;
-      const int64_t h = p.input_row(np % p.P, tap / p.S), w = p.input_col(q, tap % p.S);
-      if (h >= 0 && h < p.H && w >= 0 && w < p.W) value = x[xs.at(np / p.P, c, h, w)];
+  const Index taps = Index(p.R * p.S), S = Index(p.S), Q = Index(p.Q), P = Index(p.P);
+  const int C = int(p.C);
+  const Index stride = Index(gridDim.x) * blockDim.x;
+  for (Index idx = Index(blockIdx.x) * blockDim.x + threadIdx.x; idx < items; idx += stride) {
+    const Index tap = idx % (taps + 1), row = idx / (taps + 1);
+    Bits* out = columns + int64_t(row) * padded + int64_t(tap) * C;
+    if (tap == taps) {  // the padding columns of this row
+      for (int64_t j = int64_t(taps) * C; j < padded; ++j) columns[int64_t(row) * padded + j] = 0;
+      continue;
     }
-    columns[idx] = value;
+    const Index q = row % Q, np = row / Q;
+    const int64_t h = p.input_row(np % P, tap / S), w = p.input_col(q, tap % S);
+    const bool inside = h >= 0 && h < p.H && w >= 0 && w < p.W;
+    const Bits* in = x + (inside ? xs.at(np / P, 0, h, w) : 0);
+    for (int c = 0; c < C; ++c) out[c] = inside ? in[c * xs.b] : Bits(0);
   }
 }
 
 // dx at (n, c, h, w) = sum over the taps (r, s) that read it of dcolumns[(n, p, q)][(r * S + s)
-// * C + c], in tap order: the transpose of im2col as a gather (no atomics, fixed order).
-template <class T>
+// * C + c], in tap order: the transpose of im2col as a gather (no atomics, fixed order). One
+// thread per input pixel sums its C channels (C <= 8 on this route) over the taps that reach it:
+// with dilation 1 those are every stride-th tap from the first, found without a search.
+template <class T, class Index>
 __global__ void __launch_bounds__(kLayoutThreads)
-    col2im_kernel(const T* dcolumns, T* dx, ConvProblem p, int64_t padded, int64_t count) {
+    col2im_kernel(const T* dcolumns, T* dx, ConvProblem p, int64_t padded, Index pixels) {
+  constexpr int kMaxC = 8;
   const TensorStrides xs = p.input_strides();
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < count; idx += stride) {
-    // idx runs over dx in its own layout: (n, c, h, w) for NCHW, (n, h, w, c) for NHWC.
-    int64_t n, c, h, w;
-    if (p.layout == ConvLayout::kNHWC) {
-      c = idx % p.C, w = idx / p.C % p.W, h = idx / (p.C * p.W) % p.H, n = idx / (p.C * p.W * p.H);
-    } else {
-      w = idx % p.W, h = idx / p.W % p.H, c = idx / (p.W * p.H) % p.C, n = idx / (p.W * p.H * p.C);
-    }
-    acc_t<T> sum = 0;
-    for (int64_t r = 0; r < p.R; ++r) {
-      const int64_t u = h + p.pad_top - r * p.dilation_h;
-      if (u < 0 || u % p.stride_h != 0 || u / p.stride_h >= p.P) continue;
-      for (int64_t s = 0; s < p.S; ++s) {
-        const int64_t v = w + p.pad_left - s * p.dilation_w;
-        if (v < 0 || v % p.stride_w != 0 || v / p.stride_w >= p.Q) continue;
-        const int64_t row = (n * p.P + u / p.stride_h) * p.Q + v / p.stride_w;
-        sum += to_acc(dcolumns[row * padded + (r * p.S + s) * p.C + c]);
+  const Index W = Index(p.W), H = Index(p.H);
+  const int C = int(p.C);
+  const Index stride = Index(gridDim.x) * blockDim.x;
+  for (Index idx = Index(blockIdx.x) * blockDim.x + threadIdx.x; idx < pixels; idx += stride) {
+    const Index w = idx % W, nh = idx / W, h = nh % H, n = nh / H;
+    acc_t<T> sum[kMaxC];
+    for (int c = 0; c < kMaxC; ++c) sum[c] = 0;
+    // Taps r with (h + pad - r * dilation) a multiple of the stride, 0 <= .. / stride < P.
+    const int64_t u0 = int64_t(h) + p.pad_top, v0 = int64_t(w) + p.pad_left;
+    const int64_t r_step = p.dilation_h == 1 ? p.stride_h : 1;
+    const int64_t s_step = p.dilation_w == 1 ? p.stride_w : 1;
+    const int64_t r_first = p.dilation_h == 1 ? u0 % p.stride_h : 0;
+    const int64_t s_first = p.dilation_w == 1 ? v0 % p.stride_w : 0;
+    for (int64_t r = r_first; r < p.R; r += r_step) {
+      const int64_t u = u0 - r * p.dilation_h;
+      if (u < 0) break;
+      if (u % p.stride_h != 0 || u / p.stride_h >= p.P) continue;
+      for (int64_t s = s_first; s < p.S; s += s_step) {
+        const int64_t v = v0 - s * p.dilation_w;
+        if (v < 0) break;
+        if (v % p.stride_w != 0 || v / p.stride_w >= p.Q) continue;
+        const T* in = dcolumns + ((int64_t(n) * p.P + u / p.stride_h) * p.Q + v / p.stride_w) *
+                                     padded + (r * p.S + s) * C;
+        for (int c = 0; c < C; ++c) sum[c] += to_acc(in[c]);
       }
     }
-    dx[xs.at(n, c, h, w)] = from_acc<T>(sum);
+    for (int c = 0; c < C; ++c) dx[xs.at(n, c, h, w)] = from_acc<T>(sum[c]);
   }
 }
 
 template <class Bits>
 ffi::Error launch_im2col(cudaStream_t stream, const ConvProblem& p, const void* x, void* columns,
                          int64_t padded) {
-  const int64_t count = p.N * p.P * p.Q * padded;
-  im2col_kernel<Bits><<<grid_blocks(count, kLayoutThreads), kLayoutThreads, 0, stream>>>(
-      static_cast<const Bits*>(x), static_cast<Bits*>(columns), p, padded, count);
+  const int64_t items = p.N * p.P * p.Q * (p.R * p.S + 1);
+  const unsigned blocks = grid_blocks(items, kLayoutThreads);
+  auto* in = static_cast<const Bits*>(x);
+  auto* out = static_cast<Bits*>(columns);
+  if (items + int64_t(blocks) * kLayoutThreads <= int64_t(UINT32_MAX))
+    im2col_kernel<Bits, uint32_t><<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, padded,
+                                                                        uint32_t(items));
+  else
+    im2col_kernel<Bits, int64_t><<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, padded, items);
   return launch_status("conv2d (im2col)");
+}
+
+template <class T>
+void col2im(cudaStream_t stream, const ConvProblem& p, const void* dcolumns, void* dx,
+            int64_t padded) {
+  const int64_t pixels = p.N * p.H * p.W;
+  const unsigned blocks = grid_blocks(pixels, kLayoutThreads);
+  auto* in = static_cast<const T*>(dcolumns);
+  auto* out = static_cast<T*>(dx);
+  if (pixels + int64_t(blocks) * kLayoutThreads <= int64_t(UINT32_MAX))
+    col2im_kernel<T, uint32_t><<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, padded,
+                                                                     uint32_t(pixels));
+  else
+    col2im_kernel<T, int64_t><<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, padded, pixels);
 }
 
 ffi::Error launch_col2im(cudaStream_t stream, ConvDtype dtype, const ConvProblem& p,
                          const void* dcolumns, void* dx, int64_t padded) {
-  const int64_t count = p.N * p.C * p.H * p.W;
-  const unsigned blocks = grid_blocks(count, kLayoutThreads);
   switch (dtype) {
-    case ConvDtype::kFloat16:
-      col2im_kernel<<<blocks, kLayoutThreads, 0, stream>>>(
-          static_cast<const float16*>(dcolumns), static_cast<float16*>(dx), p, padded, count);
-      break;
-    case ConvDtype::kBFloat16:
-      col2im_kernel<<<blocks, kLayoutThreads, 0, stream>>>(
-          static_cast<const bfloat16*>(dcolumns), static_cast<bfloat16*>(dx), p, padded, count);
-      break;
-    default:
-      col2im_kernel<<<blocks, kLayoutThreads, 0, stream>>>(
-          static_cast<const float*>(dcolumns), static_cast<float*>(dx), p, padded, count);
-      break;
+    case ConvDtype::kFloat16: col2im<float16>(stream, p, dcolumns, dx, padded); break;
+    case ConvDtype::kBFloat16: col2im<bfloat16>(stream, p, dcolumns, dx, padded); break;
+    default: col2im<float>(stream, p, dcolumns, dx, padded); break;
   }
   return launch_status("conv2d (col2im)");
 }
