@@ -108,3 +108,20 @@ def test_table_without_floor(monkeypatch, capsys):
     assert "# no floor: a note" in out
     row = next(line for line in out if line.startswith("no floor "))
     assert row.split()[-2:] == ["-", "1.00"]
+
+
+def test_match_and_contenders_select_cases_and_columns(monkeypatch):
+    """--match keeps the cases whose name holds one of its substrings, --contenders the named
+    contenders of those (what an A/B run on a GPU uses)."""
+    x = jnp.ones(8)
+
+    def cases(ctx):
+        return [bench.Case(name, None, [bench.Contender("jax_kernels", lambda: x + 1),
+                                        bench.Contender("jnp", lambda: x + 2)])
+                for name in ("conv a fwd", "conv b fwd", "conv a wgrad")]
+
+    monkeypatch.setitem(bench.CASES, "fake", cases)
+    report = bench.run(["fake"], quick=True, dispatches=1, rounds=1, match=["a fwd", "wgrad"],
+                       contenders=["jnp"])
+    assert [c["case"] for c in report["cases"]] == ["conv a fwd", "conv a wgrad"]
+    assert all(list(c["ms"]) == ["jnp"] for c in report["cases"])
