@@ -271,6 +271,26 @@ bool plan_gemm(const ConvQuery& query, Plan* plan) {
   return true;
 }
 
+// wgrad's split-K: slices of the N*P*Q reduction (`positions`) so that about two blocks per SM
+// run, each slice long enough to amortize its partial write. The tile's K extent is 128 bytes
+// of elements.
+int wgrad_split(Math math, const NhwcConv& c, int64_t positions, int64_t element_bytes) {
+  const int64_t tiles = output_tiles(math, c);
+  const int64_t k_iterations = ceil_div(positions, 128 / element_bytes);
+  int64_t split = std::min(kMaxSplitK, ceil_div(2 * kNominalSms, tiles));
+  return int(std::max<int64_t>(1, std::min(split, k_iterations / kMinKIterationsPerSlice)));
+}
+
+// The kernel family for the planned problem: on Hopper the sm_90a fprop kernel (also unit-stride
+// dgrad's) where it takes the problem, else the Sm80 one; false if neither does.
+bool choose_kernel(Math math, NhwcConv* c) {
+  if (c->kernel == NhwcKernel::kFprop && hopper_kernels() && sm90_math(math)) {
+    c->sm90 = true;
+    if (!can_implement(math, *c)) c->sm90 = false;
+  }
+  return can_implement(math, *c);
+}
+
 bool plan_nhwc(const ConvQuery& query, Plan* plan) {
   const ConvProblem& p = query.problem;
   const int64_t a = plan->alignment, eb = plan->element_bytes;
@@ -333,24 +353,14 @@ bool plan_nhwc(const ConvQuery& query, Plan* plan) {
     case ConvPass::kBackwardWeight: {
       c.kernel = NhwcKernel::kWgrad;
       c.tile = Kgp <= 64 ? TileClass::kNarrow : TileClass::kWide;
-      // Split the N*P*Q reduction so that about two blocks per SM run, each slice long enough
-      // to amortize its partial write. The tile's K extent is 128 bytes of elements.
-      const int64_t tiles = output_tiles(plan->math, c);
-      const int64_t k_iterations = ceil_div(p.N * p.P * p.Q, 128 / eb);
-      int64_t split = std::min(kMaxSplitK, ceil_div(2 * kNominalSms, tiles));
-      split = std::max<int64_t>(1, std::min(split, k_iterations / kMinKIterationsPerSlice));
-      c.split_k = int(split);
-      if (!lay_out_scratch(plan, {y_bytes, x_bytes, checked_product({G, split, w_elements, 4})}))
+      c.split_k = wgrad_split(plan->math, c, p.N * p.P * p.Q, eb);
+      if (!lay_out_scratch(plan,
+                           {y_bytes, x_bytes, checked_product({G, c.split_k, w_elements, 4})}))
         return false;
       break;
     }
   }
-  // Hopper: the fprop kernel (also unit-stride dgrad's) where it takes the problem, else Sm80.
-  if (c.kernel == NhwcKernel::kFprop && hopper_kernels() && sm90_math(plan->math)) {
-    c.sm90 = true;
-    if (!can_implement(plan->math, c)) c.sm90 = false;
-  }
-  if (!can_implement(plan->math, c)) return false;
+  if (!choose_kernel(plan->math, &c)) return false;
   plan->route = Route::kNhwc;
   return true;
 }
@@ -401,21 +411,13 @@ bool plan_im2col(const ConvQuery& query, Plan* plan) {
     case ConvPass::kBackwardWeight: {
       c.kernel = NhwcKernel::kWgrad;
       c.tile = Kp <= 64 ? TileClass::kNarrow : TileClass::kWide;
-      const int64_t tiles = output_tiles(plan->math, c);
-      const int64_t k_iterations = ceil_div(rows, 128 / eb);
-      int64_t split = std::min(kMaxSplitK, ceil_div(2 * kNominalSms, tiles));
-      split = std::max<int64_t>(1, std::min(split, k_iterations / kMinKIterationsPerSlice));
-      c.split_k = int(split);
-      if (!lay_out_scratch(plan, {y_region, cols_bytes, checked_product({split, Kp, Cp, 4})}))
+      c.split_k = wgrad_split(plan->math, c, rows, eb);
+      if (!lay_out_scratch(plan, {y_region, cols_bytes, checked_product({c.split_k, Kp, Cp, 4})}))
         return false;
       break;
     }
   }
-  if (c.kernel == NhwcKernel::kFprop && hopper_kernels() && sm90_math(plan->math)) {
-    c.sm90 = true;
-    if (!can_implement(plan->math, c)) c.sm90 = false;
-  }
-  if (!can_implement(plan->math, c)) return false;
+  if (!choose_kernel(plan->math, &c)) return false;
   plan->route = Route::kIm2col;
   return true;
 }
