@@ -322,7 +322,7 @@ void time_steps(const char* label, const ConvQuery& query, cudaStream_t stream, 
                          const char* what) {
     if (launches == 0) {
       std::printf("  layout %s %-3s none (%s)\n", label, which,
-                  info.nhwc_route ? "NHWC route" : "GEMM route on NCHW as is");
+                  info.nhwc_route ? "NHWC route" : "GEMM route on NCHW as is, or im2col route");
       return;
     }
     const float warm = median_ms(stream, step_launch(step), false);
