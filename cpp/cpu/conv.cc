@@ -12,9 +12,14 @@
 // instruction sets and chosen once at run time.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#endif
 
 #include "jax_kernels/conv.h"
 #include "jax_kernels/cpu_parallel.h"
@@ -36,6 +41,9 @@ struct StencilTile {
   const int64_t* row_offset;  // per live row tap: the buffer row read by output row 0
   const int64_t* col_offset;  // per live column tap: the element read by output column 0
   bool sliding;               // row_step 1 and consecutive row offsets: rows share loads
+  const int64_t* tap_offset;  // flat tiles (row_step 1): per live (row tap, col tap), the
+                              // element read by flat output position 0 (see stencil_flat)
+  int64_t channel_chunk;      // flat tiles: source channels summed per sweep over the tiles
   const A* weights;           // per block of output channels (see channel_block()):
                               // [source channel][row tap][col tap][output channel of the block]
   int64_t weight_stride;      // elements per output channel in `weights`
@@ -66,57 +74,92 @@ struct WeightGradientBlock {
 
 template <class A>
 struct CpuLoops {
+  const char* name;   // the instruction set ("baseline", "avx2", "avx512")
   int lanes;          // vector lanes of A
   int channel_block;  // output channels per register block of the stencil (then 4, then 1)
   void (*copy_padded_rows)(const A* source, int64_t source_pitch, int64_t rows, int64_t offset,
                            int64_t count, int64_t width, A* out);
   void (*stencil_phase)(const StencilTile<A>&, const StencilOutput<A>&);
+  // The same pass over flat tiles: output positions j = row * row_pitch + column of the phase
+  // taken in runs of consecutive j across rows (row_step 1; see conv_loops.inc).
+  void (*stencil_flat)(const StencilTile<A>&, const StencilOutput<A>&, A* partial);
+  // 16-bit floats <-> A, n contiguous elements (float only; nullptr for double): widen converts
+  // float16 / bfloat16 bits exactly, narrow rounds to nearest even as scalar.h's from_acc.
+  void (*widen_f16)(const uint16_t* in, A* out, int64_t n);
+  void (*widen_bf16)(const uint16_t* in, A* out, int64_t n);
+  void (*narrow_f16)(const A* in, uint16_t* out, int64_t n);
+  void (*narrow_bf16)(const A* in, uint16_t* out, int64_t n);
   void (*weight_gradient)(const WeightGradientBlock<A>&, int64_t filters, A* partial,
                           int64_t partial_stride);
 };
 
 namespace portable {
+#define JK_CONV_F16C 0
+#define JK_CONV_ISA_NAME "baseline"
 #define JK_CONV_VECTOR_BYTES 16
 #define JK_CONV_REGISTERS 16
 #include "conv_loops.inc"
 #undef JK_CONV_VECTOR_BYTES
 #undef JK_CONV_REGISTERS
+#undef JK_CONV_F16C
+#undef JK_CONV_ISA_NAME
 }  // namespace portable
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define JK_CONV_X86_DISPATCH 1
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
+#define JK_CONV_F16C 1
+#define JK_CONV_ISA_NAME "avx2"
 #define JK_CONV_VECTOR_BYTES 32
 #define JK_CONV_REGISTERS 16
 #include "conv_loops.inc"
 #undef JK_CONV_VECTOR_BYTES
 #undef JK_CONV_REGISTERS
+#undef JK_CONV_F16C
+#undef JK_CONV_ISA_NAME
 }  // namespace avx2
 #pragma GCC pop_options
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c")
 namespace avx512 {
+#define JK_CONV_F16C 1
+#define JK_CONV_ISA_NAME "avx512"
 #define JK_CONV_VECTOR_BYTES 64
 #define JK_CONV_REGISTERS 32
 #include "conv_loops.inc"
 #undef JK_CONV_VECTOR_BYTES
 #undef JK_CONV_REGISTERS
+#undef JK_CONV_F16C
+#undef JK_CONV_ISA_NAME
 }  // namespace avx512
 #pragma GCC pop_options
 #endif
 
+// The widest instruction set the CPU has, or a narrower one named by JAX_KERNELS_CPU_ISA
+// ("baseline", "avx2"; read once): the tests run the baseline loops on machines with AVX2.
 template <class A>
 CpuLoops<A> select_loops() {
+  const char* env = std::getenv("JAX_KERNELS_CPU_ISA");
+  const std::string wanted = env ? env : "";
+  if (wanted == "baseline") {
+    if constexpr (std::is_same_v<A, float>) {
+      return portable::loops_float();
+    } else {
+      return portable::loops_double();
+    }
+  }
 #if defined(JK_CONV_X86_DISPATCH)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")) {
+  if (wanted != "avx2" && __builtin_cpu_supports("avx512f") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq")) {
     if constexpr (std::is_same_v<A, float>) return avx512::loops_float();
     if constexpr (std::is_same_v<A, double>) return avx512::loops_double();
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
     if constexpr (std::is_same_v<A, float>) return avx2::loops_float();
     if constexpr (std::is_same_v<A, double>) return avx2::loops_double();
   }
@@ -135,6 +178,34 @@ const CpuLoops<A>& loops() {
 }
 
 // ---- Buffers ------------------------------------------------------------------------------------
+
+// dst[0, n) = to_acc(src[j * stride]), through the instruction set's conversions where the
+// elements are contiguous 16-bit floats.
+template <class T, class A>
+void widen_row(const CpuLoops<A>& isa, const T* src, int64_t stride, A* dst, int64_t n) {
+  if constexpr (std::is_same_v<A, float> &&
+                (std::is_same_v<T, float16> || std::is_same_v<T, bfloat16>)) {
+    if (stride == 1) {
+      const auto bits = reinterpret_cast<const uint16_t*>(src);
+      return std::is_same_v<T, float16> ? isa.widen_f16(bits, dst, n)
+                                        : isa.widen_bf16(bits, dst, n);
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) dst[j] = to_acc(src[j * stride]);
+}
+
+// dst[0, n) = from_acc<T>(src[0, n)), likewise.
+template <class T, class A>
+void narrow_row(const CpuLoops<A>& isa, const A* src, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<A, float> &&
+                (std::is_same_v<T, float16> || std::is_same_v<T, bfloat16>)) {
+    const auto bits = reinterpret_cast<uint16_t*>(dst);
+    return std::is_same_v<T, float16> ? isa.narrow_f16(src, bits, n)
+                                      : isa.narrow_bf16(src, bits, n);
+  }
+  for (int64_t j = 0; j < n; ++j) dst[j] = from_acc<T>(src[j]);
+}
+
 
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
@@ -169,7 +240,8 @@ void fill_padded_rows(const CpuLoops<A>& isa, const T* plane, int64_t row_stride
     const T* in = plane + (row_begin + t) * row_stride + col_begin * col_stride;
     if (phases == 1) {
       std::fill(row, row + inside_begin, A(0));
-      for (int64_t j = inside_begin; j < inside_end; ++j) row[j] = to_acc(in[j * col_stride]);
+      widen_row(isa, in + inside_begin * col_stride, col_stride, row + inside_begin,
+                inside_end - inside_begin);
       std::fill(row + inside_end, row + width, A(0));
     } else {
       std::fill(row, row + width, A(0));
@@ -329,8 +401,19 @@ void run_stencil_pass(const StencilPass<T>& s) {
 
   // Buffer columns: source column oo * stride + offset, split into `stride` phases.
   const int64_t cs = s.cols.stride, rs = s.rows.stride;
-  const int64_t phase_len = round_up(phase_cols, 2 * isa.lanes) + (col_max - col_min) / cs + 1;
+  // Dense problems whose output rows read consecutive buffer rows run on flat tiles
+  // (conv_loops.inc's stencil_flat), whose rows need no rounding up: only the taps' span.
+  const bool flat = cs == 1 && rs == 1 && Og >= 4;
+  const int64_t phase_len = flat ? phase_cols + (col_max - col_min)
+                                 : round_up(phase_cols, 2 * isa.lanes) + (col_max - col_min) / cs + 1;
   const int64_t row_pitch = cs * phase_len;
+  // Flat tiles read up to this many elements past the last position of a plane.
+  const int64_t slack = flat ? 4 * 64 : 0;
+  // Source channels per sweep of the flat tiles: a tile's source rows (row taps + 1 rows of a
+  // tile and the taps' span, per channel) in about 16 KiB.
+  const int64_t channel_chunk = std::max<int64_t>(
+      1, (int64_t(16) << 10) /
+             ((s.rows.taps + 1) * (3 * isa.lanes + (col_max - col_min) + 16) * int64_t(sizeof(A))));
   std::vector<std::vector<int64_t>> col_offsets(up_x), row_offsets(up_y);
   for (int64_t px = 0; px < up_x; ++px)
     for (int64_t off : col_phases[px].offset)
@@ -345,6 +428,11 @@ void run_stencil_pass(const StencilPass<T>& s) {
     }
     sliding[py] = consecutive;
   }
+  std::vector<std::vector<int64_t>> tap_offsets(up_y * up_x);
+  for (int64_t py = 0; py < up_y; ++py)
+    for (int64_t px = 0; px < up_x; ++px)
+      for (int64_t r : row_offsets[py])
+        for (int64_t c : col_offsets[px]) tap_offsets[py * up_x + px].push_back(r * row_pitch + c);
 
   // The weights of each (group, row phase, column phase), per block of output channels:
   // [i][live row tap][live col tap][output channel of the block].
@@ -403,8 +491,9 @@ void run_stencil_pass(const StencilPass<T>& s) {
   parallel_for(items, std::max<int64_t>(1, (int64_t(1) << 16) / work),
                [&](int64_t begin, int64_t end) {
     const int64_t buffer_rows = band_source_rows(band);
-    std::vector<A> buffer(std::max<int64_t>(Ig, 1) * buffer_rows * row_pitch);
+    std::vector<A> buffer(std::max<int64_t>(Ig, 1) * buffer_rows * row_pitch + slack);
     std::vector<A> staged(staged_out ? Og * band * up_y * out_cols : 0);
+    std::vector<A> partial(flat ? Og * (band * row_pitch + 64) : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / (s.groups * bands);
       const int64_t g = item / bands % s.groups;
@@ -433,6 +522,8 @@ void run_stencil_pass(const StencilPass<T>& s) {
           tile.row_offset = row_offsets[py].data();
           tile.col_offset = col_offsets[px].data();
           tile.sliding = sliding[py];
+          tile.tap_offset = tap_offsets[py * up_x + px].data();
+          tile.channel_chunk = channel_chunk;
           tile.weights = packed.data() + g * group_weights + phase_base[py * up_x + px];
           tile.weight_stride = Ig * tile.row_taps * tile.col_taps;
           StencilOutput<A> out;
@@ -449,7 +540,11 @@ void run_stencil_pass(const StencilPass<T>& s) {
           out.rows = rows_in_band;
           out.cols = cols;
           out.bias = s.bias ? bias.data() + g * Og : nullptr;
-          isa.stencil_phase(tile, out);
+          if (flat) {
+            isa.stencil_flat(tile, out, partial.data());
+          } else {
+            isa.stencil_phase(tile, out);
+          }
         }
       }
       if (staged_out) {
@@ -459,7 +554,7 @@ void run_stencil_pass(const StencilPass<T>& s) {
             for (int64_t y = first; y < last; ++y) {
               const A* in = staged.data() + (o * band * up_y + (y - first)) * out_cols;
               T* row = out_group + o * dst.b + y * dst.c;
-              for (int64_t x = 0; x < out_cols; ++x) row[x] = from_acc<T>(in[x]);
+              narrow_row(isa, in, row, out_cols);
             }
         } else {  // channels last: channels innermost in the output
           const int64_t channel_pitch = band * up_y * out_cols;
@@ -575,7 +670,7 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
             for (int64_t row = 0; row < p.P; ++row) {
               const T* in = dy + ys.at(first + n, g * Kg + k, row, 0);
               A* out = dy_buffer.data() + ((n * Kg + k) * p.P + row) * cols;
-              for (int64_t q = 0; q < p.Q; ++q) out[q] = to_acc(in[q * ys.d]);
+              widen_row(isa, in, ys.d, out, p.Q);
             }
       }
       const int64_t channels = std::min(channel_block, Cg - c0);
