@@ -179,6 +179,32 @@ const CpuLoops<A>& loops() {
 
 // ---- Buffers ------------------------------------------------------------------------------------
 
+// A thread's scratch buffer of at least n elements, uninitialized, kept for the thread's next
+// call when it is at most 4 MiB (allocating, zeroing and faulting in fresh pages on every call
+// cost up to a tenth of a convolution's time); larger ones are the caller's own. Each `slot`
+// is one buffer: a call uses distinct slots for the buffers it holds at once.
+template <class A>
+class ThreadScratch {
+ public:
+  ThreadScratch(int slot, int64_t n) {
+    thread_local std::vector<A> kept[3];
+    const size_t count = size_t(std::max<int64_t>(n, 1));
+    if (count * sizeof(A) <= (size_t(4) << 20)) {
+      if (kept[slot].size() < count) kept[slot].resize(count);
+      data_ = kept[slot].data();
+    } else {
+      own_.resize(count);
+      data_ = own_.data();
+    }
+  }
+  A* data() { return data_; }
+
+ private:
+  std::vector<A> own_;
+  A* data_;
+};
+
+
 // dst[0, n) = to_acc(src[j * stride]), through the instruction set's conversions where the
 // elements are contiguous 16-bit floats.
 template <class T, class A>
@@ -443,24 +469,30 @@ void run_stencil_pass(const StencilPass<T>& s) {
           Og * Ig * int64_t(row_phases[py].tap.size() * col_phases[px].tap.size());
   const int64_t group_weights = phase_base.back();
   std::vector<A> packed(s.groups * group_weights);
-  parallel_for(s.groups, std::max<int64_t>(1, 4096 / std::max<int64_t>(group_weights, 1)),
+  // Packed per (group, row phase, column phase, block of output channels), in parallel: a
+  // block of `block` channels starting at o0 begins o0 * Ig * taps into its phase.
+  std::vector<int64_t> block_start;
+  for (int64_t o0 = 0; o0 < Og; o0 += channel_block(Og - o0, isa.channel_block))
+    block_start.push_back(o0);
+  const int64_t blocks = int64_t(block_start.size()), phases = up_y * up_x;
+  parallel_for(s.groups * phases * blocks,
+               std::max<int64_t>(1, 4096 / std::max<int64_t>(group_weights / std::max<int64_t>(
+                                                                 phases * blocks, 1), 1)),
                [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      for (int64_t py = 0; py < up_y; ++py)
-        for (int64_t px = 0; px < up_x; ++px) {
-          const std::vector<int64_t>& ty = row_phases[py].tap;
-          const std::vector<int64_t>& tx = col_phases[px].tap;
-          A* w = packed.data() + g * group_weights + phase_base[py * up_x + px];
-          for (int64_t o0 = 0; o0 < Og;) {
-            const int64_t block = channel_block(Og - o0, isa.channel_block);
-            for (int64_t i = 0; i < Ig; ++i)
-              for (int64_t r : ty)
-                for (int64_t c : tx)
-                  for (int64_t o = o0; o < o0 + block; ++o)
-                    *w++ = to_acc(s.weights[s.weight_map.offset(g, o, i, r, c)]);
-            o0 += block;
-          }
-        }
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / (phases * blocks), phase = item / blocks % phases;
+      const int64_t py = phase / up_x, px = phase % up_x, o0 = block_start[item % blocks];
+      const int64_t block = channel_block(Og - o0, isa.channel_block);
+      const std::vector<int64_t>& ty = row_phases[py].tap;
+      const std::vector<int64_t>& tx = col_phases[px].tap;
+      A* w = packed.data() + g * group_weights + phase_base[phase] +
+             o0 * Ig * int64_t(ty.size() * tx.size());
+      for (int64_t i = 0; i < Ig; ++i)
+        for (int64_t r : ty)
+          for (int64_t c : tx)
+            for (int64_t o = o0; o < o0 + block; ++o)
+              *w++ = to_acc(s.weights[s.weight_map.offset(g, o, i, r, c)]);
+    }
   });
   std::vector<A> bias;
   if (s.bias) {
@@ -476,7 +508,8 @@ void run_stencil_pass(const StencilPass<T>& s) {
   const int64_t budget = (int64_t(1) << 19) / int64_t(sizeof(A));
   while (band > kSlidingRows && Ig * band_source_rows(band) * row_pitch > budget)
     band = ceil_div(band, 2);
-  while (band > kSlidingRows && s.N * s.groups * ceil_div(phase_rows, band) < 16)
+  // (flat tiles waste less of the rows in larger bands: fewer items suffice for them).
+  while (band > kSlidingRows && s.N * s.groups * ceil_div(phase_rows, band) < (flat ? 8 : 16))
     band = ceil_div(band, 2);
   const int64_t bands = ceil_div(phase_rows, band);
   const int64_t out_rows = s.rows.out, out_cols = s.cols.out;
@@ -491,9 +524,11 @@ void run_stencil_pass(const StencilPass<T>& s) {
   parallel_for(items, std::max<int64_t>(1, (int64_t(1) << 16) / work),
                [&](int64_t begin, int64_t end) {
     const int64_t buffer_rows = band_source_rows(band);
-    std::vector<A> buffer(std::max<int64_t>(Ig, 1) * buffer_rows * row_pitch + slack);
-    std::vector<A> staged(staged_out ? Og * band * up_y * out_cols : 0);
-    std::vector<A> partial(flat ? Og * (band * row_pitch + 64) : 0);
+    // Every element read is written first, except what flat tiles and partial blocks read past
+    // the last rows, which only feeds outputs that are dropped.
+    ThreadScratch<A> buffer(0, std::max<int64_t>(Ig, 1) * buffer_rows * row_pitch + slack);
+    ThreadScratch<A> staged(1, staged_out ? Og * band * up_y * out_cols : 0);
+    ThreadScratch<A> partial(2, flat ? Og * 64 : 0);  // a flat tile's sums, [Og][tile]
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / (s.groups * bands);
       const int64_t g = item / bands % s.groups;
@@ -656,8 +691,8 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   const int64_t work = std::max<int64_t>(1, per_slice * Kg * channel_block * RS * p.P * p.Q);
   parallel_for(slices * p.groups * blocks, std::max<int64_t>(1, (int64_t(1) << 16) / work),
                [&](int64_t begin, int64_t end) {
-    std::vector<A> x_buffer(per_slice * channel_block * x_plane);
-    std::vector<A> dy_buffer(per_slice * Kg * dy_plane, A(0));
+    ThreadScratch<A> x_buffer(0, per_slice * channel_block * x_plane);
+    ThreadScratch<A> dy_buffer(1, per_slice * Kg * dy_plane);
     int64_t staged = -1;  // the (slice, group) whose dy is in dy_buffer
     for (int64_t item = begin; item < end; ++item) {
       const int64_t slice = item / (p.groups * blocks), g = item / blocks % p.groups;
@@ -671,6 +706,7 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
               const T* in = dy + ys.at(first + n, g * Kg + k, row, 0);
               A* out = dy_buffer.data() + ((n * Kg + k) * p.P + row) * cols;
               widen_row(isa, in, ys.d, out, p.Q);
+              std::fill(out + p.Q, out + cols, A(0));  // whole vectors: zeros past Q
             }
       }
       const int64_t channels = std::min(channel_block, Cg - c0);
