@@ -2,8 +2,9 @@
 process (JAX_KERNELS_CPU_ISA=baseline forces the SSE2 loops on a machine with AVX2), so every test
 here runs its checks in subprocesses, one per instruction set and thread count.
 
-- Dense geometries that reach the flat-tile stencil (stride-1 sources with at least 4 output
-  channels per group: forward, and dgrad at any stride), with remainders of the register blocks
+- Dense geometries that reach the flat-tile stencil (at least 4 output channels per group:
+  the forward at any stride, its rows and columns split into stride phases when strided, and
+  the dgrad at any stride), with remainders of the register blocks
   (filters not a multiple of 4 or 8, several channel chunks), grouped non-depthwise problems and
   both layouts, forward and every gradient against torch float64, every dtype.
 - The results do not depend on the thread count (bitwise).
@@ -35,6 +36,8 @@ DENSE = [
     ((1, 8, 12, 12), (16, 4, 5, 5), dict(padding=2, dilation=2, groups=2), False),
     ((2, 6, 10, 9), (7, 6, 3, 3), dict(stride=3, padding=1), True),
     ((1, 24, 30, 31), (32, 24, 3, 3), dict(padding=1), True),          # several bands
+    ((2, 5, 17, 15), (8, 5, 3, 5), dict(stride=(2, 1), padding=(1, 2), dilation=(1, 2)), False),
+    ((1, 3, 31, 30), (12, 3, 7, 7), dict(stride=2, padding=3), True),  # a stem
 ]
 
 SCRIPT = textwrap.dedent("""

@@ -427,10 +427,15 @@ void run_stencil_pass(const StencilPass<T>& s) {
 
   // Buffer columns: source column oo * stride + offset, split into `stride` phases.
   const int64_t cs = s.cols.stride, rs = s.rows.stride;
-  // Dense problems whose output rows read consecutive buffer rows run on flat tiles
-  // (conv_loops.inc's stencil_flat), whose rows need no rounding up: only the taps' span.
-  const bool flat = cs == 1 && rs == 1 && Og >= 4;
-  const int64_t phase_len = flat ? phase_cols + (col_max - col_min)
+  // Dense problems run on flat tiles (conv_loops.inc's stencil_flat), whose rows need no
+  // rounding up: only the taps' span. Where output rows read consecutive buffer rows (stride 1:
+  // the forward's and every dgrad phase), the buffer is the one above; a strided forward
+  // ("split") splits its rows into stride phases as well, each (row phase, column phase) its own
+  // plane of rows of phase_len, so that output (row, column) reads at every tap the element
+  // row * phase_len + column + the tap's offset.
+  const bool split = up_x == 1 && up_y == 1 && (cs > 1 || rs > 1) && Og >= 4;
+  const bool flat = (cs == 1 && rs == 1 && Og >= 4) || split;
+  const int64_t phase_len = flat ? phase_cols + (col_max - col_min) / cs
                                  : round_up(phase_cols, 2 * isa.lanes) + (col_max - col_min) / cs + 1;
   const int64_t row_pitch = cs * phase_len;
   // Flat tiles read up to this many elements past the last position of a plane.
@@ -512,6 +517,16 @@ void run_stencil_pass(const StencilPass<T>& s) {
   while (band > kSlidingRows && s.N * s.groups * ceil_div(phase_rows, band) < (flat ? 8 : 16))
     band = ceil_div(band, 2);
   const int64_t bands = ceil_div(phase_rows, band);
+  // Split buffers: per channel, rs x cs planes of split_rows rows of phase_len.
+  const int64_t split_rows = ceil_div(band_source_rows(band), rs);
+  const int64_t split_plane = rs * cs * split_rows * phase_len;
+  if (split) {
+    tap_offsets[0].clear();
+    for (int64_t r : row_offsets[0])
+      for (int64_t c : col_offsets[0])  // c = column phase * phase_len + column in the phase
+        tap_offsets[0].push_back((((r % rs) * cs + c / phase_len) * split_rows + r / rs) *
+                                     phase_len + c % phase_len);
+  }
   const int64_t out_rows = s.rows.out, out_cols = s.cols.out;
   const int64_t out_plane = out_rows * out_cols;
   // Half types compute in A, then convert; so does channels-last output, whose scattered
@@ -526,7 +541,9 @@ void run_stencil_pass(const StencilPass<T>& s) {
     const int64_t buffer_rows = band_source_rows(band);
     // Every element read is written first, except what flat tiles and partial blocks read past
     // the last rows, which only feeds outputs that are dropped.
-    ThreadScratch<A> buffer(0, std::max<int64_t>(Ig, 1) * buffer_rows * row_pitch + slack);
+    ThreadScratch<A> buffer(0, std::max<int64_t>(Ig, 1) *
+                                   (split ? split_plane : buffer_rows * row_pitch) + slack);
+    std::vector<A> split_row(split ? row_pitch : 0);
     ThreadScratch<A> staged(1, staged_out ? Og * band * up_y * out_cols : 0);
     ThreadScratch<A> partial(2, flat ? Og * 64 : 0);  // a flat tile's sums, [Og][tile]
     for (int64_t item = begin; item < end; ++item) {
@@ -535,10 +552,23 @@ void run_stencil_pass(const StencilPass<T>& s) {
       const int64_t b0 = item % bands * band;
       const int64_t b1 = std::min(b0 + band, phase_rows);
       const int64_t rows = band_source_rows(b1 - b0);
-      for (int64_t i = 0; i < Ig; ++i)
-        fill_padded_rows(isa, s.source + src.at(n, g * Ig + i, 0, 0), src.c, src.d,
-                         s.rows.source, s.cols.source, b0 * rs + row_min, rows, col_min, cs,
-                         phase_len, buffer.data() + i * rows * row_pitch);
+      for (int64_t i = 0; i < Ig; ++i) {
+        const T* plane = s.source + src.at(n, g * Ig + i, 0, 0);
+        if (!split) {
+          fill_padded_rows(isa, plane, src.c, src.d, s.rows.source, s.cols.source,
+                           b0 * rs + row_min, rows, col_min, cs, phase_len,
+                           buffer.data() + i * rows * row_pitch);
+          continue;
+        }
+        for (int64_t t = 0; t < rows; ++t) {  // buffer row t: row phase t % rs, row t / rs
+          fill_padded_rows(isa, plane, src.c, src.d, s.rows.source, s.cols.source,
+                           b0 * rs + row_min + t, 1, col_min, cs, phase_len, split_row.data());
+          for (int64_t c = 0; c < cs; ++c)
+            std::copy_n(split_row.data() + c * phase_len, phase_len,
+                        buffer.data() + i * split_plane +
+                            (((t % rs) * cs + c) * split_rows + t / rs) * phase_len);
+        }
+      }
       T* out_group = s.out + dst.at(n, g * Og, 0, 0);
       for (int64_t py = 0; py < up_y; ++py) {
         const int64_t rows_in_band = std::min(b1, s.rows.phase_outputs(py)) - b0;
@@ -549,8 +579,8 @@ void run_stencil_pass(const StencilPass<T>& s) {
           StencilTile<A> tile;
           tile.source = buffer.data();
           tile.channels = Ig;
-          tile.channel_pitch = rows * row_pitch;
-          tile.row_pitch = row_pitch;
+          tile.channel_pitch = split ? split_plane : rows * row_pitch;
+          tile.row_pitch = split ? phase_len : row_pitch;
           tile.row_step = rs;
           tile.row_taps = int(row_offsets[py].size());
           tile.col_taps = int(col_offsets[px].size());
