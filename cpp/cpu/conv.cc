@@ -536,8 +536,9 @@ void run_stencil_pass(const StencilPass<T>& s) {
 
   const int64_t items = s.N * s.groups * bands;
   const int64_t work = std::max<int64_t>(1, Og * Ig * band * out_cols * s.rows.taps * s.cols.taps);
-  parallel_for(items, std::max<int64_t>(1, (int64_t(1) << 16) / work),
-               [&](int64_t begin, int64_t end) {
+  // Items go to whichever thread is free: each is computed the same way on any thread.
+  parallel_for_dynamic(items, std::max<int64_t>(1, (int64_t(1) << 16) / work),
+                       [&](int64_t begin, int64_t end) {
     const int64_t buffer_rows = band_source_rows(band);
     // Every element read is written first, except what flat tiles and partial blocks read past
     // the last rows, which only feeds outputs that are dropped.

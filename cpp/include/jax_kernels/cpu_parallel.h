@@ -206,4 +206,27 @@ void parallel_for(int64_t n, int64_t grain, Body&& body) {
   body(int64_t{0}, n);
 }
 
+// Calls body(begin, end) on disjoint runs covering [0, n), `grain` items at a time, each run
+// taken by whichever thread is free next (an atomic counter), so that a thread slowed down (a
+// busy or descheduled core) takes fewer runs instead of holding up the others. The runs do not
+// depend on the thread count; which thread runs one does, so a body must compute each item the
+// same way on any thread (per-thread scratch is fine when every item rewrites what it reads).
+template <class Body>
+void parallel_for_dynamic(int64_t n, int64_t grain, Body&& body) {
+  if (n <= 0) return;
+  grain = std::max<int64_t>(grain, 1);
+  const int64_t runs = (n + grain - 1) / grain;
+  ThreadPool& pool = ThreadPool::instance();
+  const int64_t chunks = std::min<int64_t>(pool.threads(), runs);
+  if (chunks > 1) {
+    std::atomic<int64_t> next{0};
+    const std::function<void(int)> task = [&](int) {
+      for (int64_t run; (run = next.fetch_add(1)) < runs;)
+        body(run * grain, std::min(n, (run + 1) * grain));
+    };
+    if (pool.try_run(int(chunks), task)) return;
+  }
+  body(int64_t{0}, n);
+}
+
 }  // namespace jax_kernels
