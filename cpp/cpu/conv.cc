@@ -12,9 +12,14 @@
 // instruction sets and chosen once at run time.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#endif
 
 #include "jax_kernels/conv.h"
 #include "jax_kernels/cpu_parallel.h"
@@ -36,6 +41,9 @@ struct StencilTile {
   const int64_t* row_offset;  // per live row tap: the buffer row read by output row 0
   const int64_t* col_offset;  // per live column tap: the element read by output column 0
   bool sliding;               // row_step 1 and consecutive row offsets: rows share loads
+  const int64_t* tap_offset;  // flat tiles (row_step 1): per live (row tap, col tap), the
+                              // element read by flat output position 0 (see stencil_flat)
+  int64_t channel_chunk;      // flat tiles: source channels summed per sweep over the tiles
   const A* weights;           // per block of output channels (see channel_block()):
                               // [source channel][row tap][col tap][output channel of the block]
   int64_t weight_stride;      // elements per output channel in `weights`
@@ -66,57 +74,92 @@ struct WeightGradientBlock {
 
 template <class A>
 struct CpuLoops {
+  const char* name;   // the instruction set ("baseline", "avx2", "avx512")
   int lanes;          // vector lanes of A
   int channel_block;  // output channels per register block of the stencil (then 4, then 1)
   void (*copy_padded_rows)(const A* source, int64_t source_pitch, int64_t rows, int64_t offset,
                            int64_t count, int64_t width, A* out);
   void (*stencil_phase)(const StencilTile<A>&, const StencilOutput<A>&);
+  // The same pass over flat tiles: output positions j = row * row_pitch + column of the phase
+  // taken in runs of consecutive j across rows (row_step 1; see conv_loops.inc).
+  void (*stencil_flat)(const StencilTile<A>&, const StencilOutput<A>&, A* partial);
+  // 16-bit floats <-> A, n contiguous elements (float only; nullptr for double): widen converts
+  // float16 / bfloat16 bits exactly, narrow rounds to nearest even as scalar.h's from_acc.
+  void (*widen_f16)(const uint16_t* in, A* out, int64_t n);
+  void (*widen_bf16)(const uint16_t* in, A* out, int64_t n);
+  void (*narrow_f16)(const A* in, uint16_t* out, int64_t n);
+  void (*narrow_bf16)(const A* in, uint16_t* out, int64_t n);
   void (*weight_gradient)(const WeightGradientBlock<A>&, int64_t filters, A* partial,
                           int64_t partial_stride);
 };
 
 namespace portable {
+#define JK_CONV_F16C 0
+#define JK_CONV_ISA_NAME "baseline"
 #define JK_CONV_VECTOR_BYTES 16
 #define JK_CONV_REGISTERS 16
 #include "conv_loops.inc"
 #undef JK_CONV_VECTOR_BYTES
 #undef JK_CONV_REGISTERS
+#undef JK_CONV_F16C
+#undef JK_CONV_ISA_NAME
 }  // namespace portable
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define JK_CONV_X86_DISPATCH 1
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
+#define JK_CONV_F16C 1
+#define JK_CONV_ISA_NAME "avx2"
 #define JK_CONV_VECTOR_BYTES 32
 #define JK_CONV_REGISTERS 16
 #include "conv_loops.inc"
 #undef JK_CONV_VECTOR_BYTES
 #undef JK_CONV_REGISTERS
+#undef JK_CONV_F16C
+#undef JK_CONV_ISA_NAME
 }  // namespace avx2
 #pragma GCC pop_options
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c")
 namespace avx512 {
+#define JK_CONV_F16C 1
+#define JK_CONV_ISA_NAME "avx512"
 #define JK_CONV_VECTOR_BYTES 64
 #define JK_CONV_REGISTERS 32
 #include "conv_loops.inc"
 #undef JK_CONV_VECTOR_BYTES
 #undef JK_CONV_REGISTERS
+#undef JK_CONV_F16C
+#undef JK_CONV_ISA_NAME
 }  // namespace avx512
 #pragma GCC pop_options
 #endif
 
+// The widest instruction set the CPU has, or a narrower one named by JAX_KERNELS_CPU_ISA
+// ("baseline", "avx2"; read once): the tests run the baseline loops on machines with AVX2.
 template <class A>
 CpuLoops<A> select_loops() {
+  const char* env = std::getenv("JAX_KERNELS_CPU_ISA");
+  const std::string wanted = env ? env : "";
+  if (wanted == "baseline") {
+    if constexpr (std::is_same_v<A, float>) {
+      return portable::loops_float();
+    } else {
+      return portable::loops_double();
+    }
+  }
 #if defined(JK_CONV_X86_DISPATCH)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")) {
+  if (wanted != "avx2" && __builtin_cpu_supports("avx512f") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq")) {
     if constexpr (std::is_same_v<A, float>) return avx512::loops_float();
     if constexpr (std::is_same_v<A, double>) return avx512::loops_double();
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
     if constexpr (std::is_same_v<A, float>) return avx2::loops_float();
     if constexpr (std::is_same_v<A, double>) return avx2::loops_double();
   }
@@ -135,6 +178,60 @@ const CpuLoops<A>& loops() {
 }
 
 // ---- Buffers ------------------------------------------------------------------------------------
+
+// A thread's scratch buffer of at least n elements, uninitialized, kept for the thread's next
+// call when it is at most 4 MiB (allocating, zeroing and faulting in fresh pages on every call
+// cost up to a tenth of a convolution's time); larger ones are the caller's own. Each `slot`
+// is one buffer: a call uses distinct slots for the buffers it holds at once.
+template <class A>
+class ThreadScratch {
+ public:
+  ThreadScratch(int slot, int64_t n) {
+    thread_local std::vector<A> kept[3];
+    const size_t count = size_t(std::max<int64_t>(n, 1));
+    if (count * sizeof(A) <= (size_t(4) << 20)) {
+      if (kept[slot].size() < count) kept[slot].resize(count);
+      data_ = kept[slot].data();
+    } else {
+      own_.resize(count);
+      data_ = own_.data();
+    }
+  }
+  A* data() { return data_; }
+
+ private:
+  std::vector<A> own_;
+  A* data_;
+};
+
+
+// dst[0, n) = to_acc(src[j * stride]), through the instruction set's conversions where the
+// elements are contiguous 16-bit floats.
+template <class T, class A>
+void widen_row(const CpuLoops<A>& isa, const T* src, int64_t stride, A* dst, int64_t n) {
+  if constexpr (std::is_same_v<A, float> &&
+                (std::is_same_v<T, float16> || std::is_same_v<T, bfloat16>)) {
+    if (stride == 1) {
+      const auto bits = reinterpret_cast<const uint16_t*>(src);
+      return std::is_same_v<T, float16> ? isa.widen_f16(bits, dst, n)
+                                        : isa.widen_bf16(bits, dst, n);
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) dst[j] = to_acc(src[j * stride]);
+}
+
+// dst[0, n) = from_acc<T>(src[0, n)), likewise.
+template <class T, class A>
+void narrow_row(const CpuLoops<A>& isa, const A* src, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<A, float> &&
+                (std::is_same_v<T, float16> || std::is_same_v<T, bfloat16>)) {
+    const auto bits = reinterpret_cast<uint16_t*>(dst);
+    return std::is_same_v<T, float16> ? isa.narrow_f16(src, bits, n)
+                                      : isa.narrow_bf16(src, bits, n);
+  }
+  for (int64_t j = 0; j < n; ++j) dst[j] = from_acc<T>(src[j]);
+}
+
 
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
@@ -169,7 +266,8 @@ void fill_padded_rows(const CpuLoops<A>& isa, const T* plane, int64_t row_stride
     const T* in = plane + (row_begin + t) * row_stride + col_begin * col_stride;
     if (phases == 1) {
       std::fill(row, row + inside_begin, A(0));
-      for (int64_t j = inside_begin; j < inside_end; ++j) row[j] = to_acc(in[j * col_stride]);
+      widen_row(isa, in + inside_begin * col_stride, col_stride, row + inside_begin,
+                inside_end - inside_begin);
       std::fill(row + inside_end, row + width, A(0));
     } else {
       std::fill(row, row + width, A(0));
@@ -329,8 +427,24 @@ void run_stencil_pass(const StencilPass<T>& s) {
 
   // Buffer columns: source column oo * stride + offset, split into `stride` phases.
   const int64_t cs = s.cols.stride, rs = s.rows.stride;
-  const int64_t phase_len = round_up(phase_cols, 2 * isa.lanes) + (col_max - col_min) / cs + 1;
+  // Dense problems run on flat tiles (conv_loops.inc's stencil_flat), whose rows need no
+  // rounding up: only the taps' span. Where output rows read consecutive buffer rows (stride 1:
+  // the forward's and every dgrad phase), the buffer is the one above; a strided forward
+  // ("split") splits its rows into stride phases as well, each (row phase, column phase) its own
+  // plane of rows of phase_len, so that output (row, column) reads at every tap the element
+  // row * phase_len + column + the tap's offset.
+  const bool split = up_x == 1 && up_y == 1 && (cs > 1 || rs > 1) && Og >= 4;
+  const bool flat = (cs == 1 && rs == 1 && Og >= 4) || split;
+  const int64_t phase_len = flat ? phase_cols + (col_max - col_min) / cs
+                                 : round_up(phase_cols, 2 * isa.lanes) + (col_max - col_min) / cs + 1;
   const int64_t row_pitch = cs * phase_len;
+  // Flat tiles read up to this many elements past the last position of a plane.
+  const int64_t slack = flat ? 4 * 64 : 0;
+  // Source channels per sweep of the flat tiles: a tile's source rows (row taps + 1 rows of a
+  // tile and the taps' span, per channel) in about 16 KiB.
+  const int64_t channel_chunk = std::max<int64_t>(
+      1, (int64_t(16) << 10) /
+             ((s.rows.taps + 1) * (3 * isa.lanes + (col_max - col_min) + 16) * int64_t(sizeof(A))));
   std::vector<std::vector<int64_t>> col_offsets(up_x), row_offsets(up_y);
   for (int64_t px = 0; px < up_x; ++px)
     for (int64_t off : col_phases[px].offset)
@@ -345,6 +459,11 @@ void run_stencil_pass(const StencilPass<T>& s) {
     }
     sliding[py] = consecutive;
   }
+  std::vector<std::vector<int64_t>> tap_offsets(up_y * up_x);
+  for (int64_t py = 0; py < up_y; ++py)
+    for (int64_t px = 0; px < up_x; ++px)
+      for (int64_t r : row_offsets[py])
+        for (int64_t c : col_offsets[px]) tap_offsets[py * up_x + px].push_back(r * row_pitch + c);
 
   // The weights of each (group, row phase, column phase), per block of output channels:
   // [i][live row tap][live col tap][output channel of the block].
@@ -355,24 +474,30 @@ void run_stencil_pass(const StencilPass<T>& s) {
           Og * Ig * int64_t(row_phases[py].tap.size() * col_phases[px].tap.size());
   const int64_t group_weights = phase_base.back();
   std::vector<A> packed(s.groups * group_weights);
-  parallel_for(s.groups, std::max<int64_t>(1, 4096 / std::max<int64_t>(group_weights, 1)),
+  // Packed per (group, row phase, column phase, block of output channels), in parallel: a
+  // block of `block` channels starting at o0 begins o0 * Ig * taps into its phase.
+  std::vector<int64_t> block_start;
+  for (int64_t o0 = 0; o0 < Og; o0 += channel_block(Og - o0, isa.channel_block))
+    block_start.push_back(o0);
+  const int64_t blocks = int64_t(block_start.size()), phases = up_y * up_x;
+  parallel_for(s.groups * phases * blocks,
+               std::max<int64_t>(1, 4096 / std::max<int64_t>(group_weights / std::max<int64_t>(
+                                                                 phases * blocks, 1), 1)),
                [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      for (int64_t py = 0; py < up_y; ++py)
-        for (int64_t px = 0; px < up_x; ++px) {
-          const std::vector<int64_t>& ty = row_phases[py].tap;
-          const std::vector<int64_t>& tx = col_phases[px].tap;
-          A* w = packed.data() + g * group_weights + phase_base[py * up_x + px];
-          for (int64_t o0 = 0; o0 < Og;) {
-            const int64_t block = channel_block(Og - o0, isa.channel_block);
-            for (int64_t i = 0; i < Ig; ++i)
-              for (int64_t r : ty)
-                for (int64_t c : tx)
-                  for (int64_t o = o0; o < o0 + block; ++o)
-                    *w++ = to_acc(s.weights[s.weight_map.offset(g, o, i, r, c)]);
-            o0 += block;
-          }
-        }
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / (phases * blocks), phase = item / blocks % phases;
+      const int64_t py = phase / up_x, px = phase % up_x, o0 = block_start[item % blocks];
+      const int64_t block = channel_block(Og - o0, isa.channel_block);
+      const std::vector<int64_t>& ty = row_phases[py].tap;
+      const std::vector<int64_t>& tx = col_phases[px].tap;
+      A* w = packed.data() + g * group_weights + phase_base[phase] +
+             o0 * Ig * int64_t(ty.size() * tx.size());
+      for (int64_t i = 0; i < Ig; ++i)
+        for (int64_t r : ty)
+          for (int64_t c : tx)
+            for (int64_t o = o0; o < o0 + block; ++o)
+              *w++ = to_acc(s.weights[s.weight_map.offset(g, o, i, r, c)]);
+    }
   });
   std::vector<A> bias;
   if (s.bias) {
@@ -388,9 +513,20 @@ void run_stencil_pass(const StencilPass<T>& s) {
   const int64_t budget = (int64_t(1) << 19) / int64_t(sizeof(A));
   while (band > kSlidingRows && Ig * band_source_rows(band) * row_pitch > budget)
     band = ceil_div(band, 2);
-  while (band > kSlidingRows && s.N * s.groups * ceil_div(phase_rows, band) < 16)
+  // (flat tiles waste less of the rows in larger bands: fewer items suffice for them).
+  while (band > kSlidingRows && s.N * s.groups * ceil_div(phase_rows, band) < (flat ? 8 : 16))
     band = ceil_div(band, 2);
   const int64_t bands = ceil_div(phase_rows, band);
+  // Split buffers: per channel, rs x cs planes of split_rows rows of phase_len.
+  const int64_t split_rows = ceil_div(band_source_rows(band), rs);
+  const int64_t split_plane = rs * cs * split_rows * phase_len;
+  if (split) {
+    tap_offsets[0].clear();
+    for (int64_t r : row_offsets[0])
+      for (int64_t c : col_offsets[0])  // c = column phase * phase_len + column in the phase
+        tap_offsets[0].push_back((((r % rs) * cs + c / phase_len) * split_rows + r / rs) *
+                                     phase_len + c % phase_len);
+  }
   const int64_t out_rows = s.rows.out, out_cols = s.cols.out;
   const int64_t out_plane = out_rows * out_cols;
   // Half types compute in A, then convert; so does channels-last output, whose scattered
@@ -400,21 +536,40 @@ void run_stencil_pass(const StencilPass<T>& s) {
 
   const int64_t items = s.N * s.groups * bands;
   const int64_t work = std::max<int64_t>(1, Og * Ig * band * out_cols * s.rows.taps * s.cols.taps);
-  parallel_for(items, std::max<int64_t>(1, (int64_t(1) << 16) / work),
-               [&](int64_t begin, int64_t end) {
+  // Items go to whichever thread is free: each is computed the same way on any thread.
+  parallel_for_dynamic(items, std::max<int64_t>(1, (int64_t(1) << 16) / work),
+                       [&](int64_t begin, int64_t end) {
     const int64_t buffer_rows = band_source_rows(band);
-    std::vector<A> buffer(std::max<int64_t>(Ig, 1) * buffer_rows * row_pitch);
-    std::vector<A> staged(staged_out ? Og * band * up_y * out_cols : 0);
+    // Every element read is written first, except what flat tiles and partial blocks read past
+    // the last rows, which only feeds outputs that are dropped.
+    ThreadScratch<A> buffer(0, std::max<int64_t>(Ig, 1) *
+                                   (split ? split_plane : buffer_rows * row_pitch) + slack);
+    std::vector<A> split_row(split ? row_pitch : 0);
+    ThreadScratch<A> staged(1, staged_out ? Og * band * up_y * out_cols : 0);
+    ThreadScratch<A> partial(2, flat ? Og * 64 : 0);  // a flat tile's sums, [Og][tile]
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / (s.groups * bands);
       const int64_t g = item / bands % s.groups;
       const int64_t b0 = item % bands * band;
       const int64_t b1 = std::min(b0 + band, phase_rows);
       const int64_t rows = band_source_rows(b1 - b0);
-      for (int64_t i = 0; i < Ig; ++i)
-        fill_padded_rows(isa, s.source + src.at(n, g * Ig + i, 0, 0), src.c, src.d,
-                         s.rows.source, s.cols.source, b0 * rs + row_min, rows, col_min, cs,
-                         phase_len, buffer.data() + i * rows * row_pitch);
+      for (int64_t i = 0; i < Ig; ++i) {
+        const T* plane = s.source + src.at(n, g * Ig + i, 0, 0);
+        if (!split) {
+          fill_padded_rows(isa, plane, src.c, src.d, s.rows.source, s.cols.source,
+                           b0 * rs + row_min, rows, col_min, cs, phase_len,
+                           buffer.data() + i * rows * row_pitch);
+          continue;
+        }
+        for (int64_t t = 0; t < rows; ++t) {  // buffer row t: row phase t % rs, row t / rs
+          fill_padded_rows(isa, plane, src.c, src.d, s.rows.source, s.cols.source,
+                           b0 * rs + row_min + t, 1, col_min, cs, phase_len, split_row.data());
+          for (int64_t c = 0; c < cs; ++c)
+            std::copy_n(split_row.data() + c * phase_len, phase_len,
+                        buffer.data() + i * split_plane +
+                            (((t % rs) * cs + c) * split_rows + t / rs) * phase_len);
+        }
+      }
       T* out_group = s.out + dst.at(n, g * Og, 0, 0);
       for (int64_t py = 0; py < up_y; ++py) {
         const int64_t rows_in_band = std::min(b1, s.rows.phase_outputs(py)) - b0;
@@ -425,14 +580,16 @@ void run_stencil_pass(const StencilPass<T>& s) {
           StencilTile<A> tile;
           tile.source = buffer.data();
           tile.channels = Ig;
-          tile.channel_pitch = rows * row_pitch;
-          tile.row_pitch = row_pitch;
+          tile.channel_pitch = split ? split_plane : rows * row_pitch;
+          tile.row_pitch = split ? phase_len : row_pitch;
           tile.row_step = rs;
           tile.row_taps = int(row_offsets[py].size());
           tile.col_taps = int(col_offsets[px].size());
           tile.row_offset = row_offsets[py].data();
           tile.col_offset = col_offsets[px].data();
           tile.sliding = sliding[py];
+          tile.tap_offset = tap_offsets[py * up_x + px].data();
+          tile.channel_chunk = channel_chunk;
           tile.weights = packed.data() + g * group_weights + phase_base[py * up_x + px];
           tile.weight_stride = Ig * tile.row_taps * tile.col_taps;
           StencilOutput<A> out;
@@ -449,7 +606,11 @@ void run_stencil_pass(const StencilPass<T>& s) {
           out.rows = rows_in_band;
           out.cols = cols;
           out.bias = s.bias ? bias.data() + g * Og : nullptr;
-          isa.stencil_phase(tile, out);
+          if (flat) {
+            isa.stencil_flat(tile, out, partial.data());
+          } else {
+            isa.stencil_phase(tile, out);
+          }
         }
       }
       if (staged_out) {
@@ -459,7 +620,7 @@ void run_stencil_pass(const StencilPass<T>& s) {
             for (int64_t y = first; y < last; ++y) {
               const A* in = staged.data() + (o * band * up_y + (y - first)) * out_cols;
               T* row = out_group + o * dst.b + y * dst.c;
-              for (int64_t x = 0; x < out_cols; ++x) row[x] = from_acc<T>(in[x]);
+              narrow_row(isa, in, row, out_cols);
             }
         } else {  // channels last: channels innermost in the output
           const int64_t channel_pitch = band * up_y * out_cols;
@@ -561,8 +722,8 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   const int64_t work = std::max<int64_t>(1, per_slice * Kg * channel_block * RS * p.P * p.Q);
   parallel_for(slices * p.groups * blocks, std::max<int64_t>(1, (int64_t(1) << 16) / work),
                [&](int64_t begin, int64_t end) {
-    std::vector<A> x_buffer(per_slice * channel_block * x_plane);
-    std::vector<A> dy_buffer(per_slice * Kg * dy_plane, A(0));
+    ThreadScratch<A> x_buffer(0, per_slice * channel_block * x_plane);
+    ThreadScratch<A> dy_buffer(1, per_slice * Kg * dy_plane);
     int64_t staged = -1;  // the (slice, group) whose dy is in dy_buffer
     for (int64_t item = begin; item < end; ++item) {
       const int64_t slice = item / (p.groups * blocks), g = item / blocks % p.groups;
@@ -575,7 +736,8 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
             for (int64_t row = 0; row < p.P; ++row) {
               const T* in = dy + ys.at(first + n, g * Kg + k, row, 0);
               A* out = dy_buffer.data() + ((n * Kg + k) * p.P + row) * cols;
-              for (int64_t q = 0; q < p.Q; ++q) out[q] = to_acc(in[q * ys.d]);
+              widen_row(isa, in, ys.d, out, p.Q);
+              std::fill(out + p.Q, out + cols, A(0));  // whole vectors: zeros past Q
             }
       }
       const int64_t channels = std::min(channel_block, Cg - c0);

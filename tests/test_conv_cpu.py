@@ -1,0 +1,143 @@
+"""The CPU conv2d kernels' instruction-set paths (cpp/cpu/conv.cc): each is selected once per
+process (JAX_KERNELS_CPU_ISA=baseline forces the SSE2 loops on a machine with AVX2), so every test
+here runs its checks in subprocesses, one per instruction set and thread count.
+
+- Dense geometries that reach the flat-tile stencil (at least 4 output channels per group:
+  the forward at any stride, its rows and columns split into stride phases when strided, and
+  the dgrad at any stride), with remainders of the register blocks
+  (filters not a multiple of 4 or 8, several channel chunks), grouped non-depthwise problems and
+  both layouts, forward and every gradient against torch float64, every dtype.
+- The results do not depend on the thread count (bitwise).
+- The vectorized float16 / bfloat16 conversions: exact widening of every float16 bit pattern and
+  round-to-nearest-even narrowing (subnormals, overflow, NaN) against NumPy / ml_dtypes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import jax_kernels as jk
+from jk_testing import TORCH_UNAVAILABLE, torch
+
+ISAS = ["baseline", "native"]
+
+# (N, C, H, W), (K, C/groups, R, S), options, bias
+DENSE = [
+    ((2, 16, 9, 11), (20, 16, 3, 3), dict(padding=1), True),          # 20 = 16 + 4 filters
+    ((1, 56, 12, 13), (9, 56, 3, 3), dict(padding=1), False),         # chunks of channels, 9 = 8 + 1
+    ((2, 12, 7, 10), (8, 12, 1, 1), dict(), True),                     # 1x1
+    ((2, 8, 13, 12), (12, 8, 3, 2), dict(stride=2, padding=(1, 0)), True),  # strided: dgrad flat
+    ((1, 8, 12, 12), (16, 4, 5, 5), dict(padding=2, dilation=2, groups=2), False),
+    ((2, 6, 10, 9), (7, 6, 3, 3), dict(stride=3, padding=1), True),
+    ((1, 24, 30, 31), (32, 24, 3, 3), dict(padding=1), True),          # several bands
+    ((2, 5, 17, 15), (8, 5, 3, 5), dict(stride=(2, 1), padding=(1, 2), dilation=(1, 2)), False),
+    ((1, 3, 31, 30), (12, 3, 7, 7), dict(stride=2, padding=3), True),  # a stem
+]
+
+SCRIPT = textwrap.dedent("""
+    import hashlib, json, sys
+    import numpy as np, jax, jax.numpy as jnp, torch
+    import jax_kernels as jk
+    jax.config.update("jax_enable_x64", True)
+    cases = json.loads(sys.argv[1])
+    out = []
+    for (xs, ws, options, bias, layout) in cases:
+        options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+        rng = np.random.default_rng(0)
+        x = rng.uniform(-1, 1, xs); w = rng.uniform(-1, 1, ws); b = rng.uniform(-1, 1, ws[0])
+        tx = torch.tensor(x, requires_grad=True); tw = torch.tensor(w, requires_grad=True)
+        tb = torch.tensor(b, requires_grad=True) if bias else None
+        ty = torch.nn.functional.conv2d(tx, tw, tb, **options)
+        dy = rng.uniform(-1, 1, ty.shape)
+        ty.backward(torch.tensor(dy))
+        expected = [ty.detach().numpy(), tx.grad.numpy(), tw.grad.numpy()]
+        nhwc = layout == "NHWC"
+        to = lambda a, perm: a.transpose(perm) if nhwc else a
+        for dtype in ("float64", "float32", "bfloat16", "float16"):
+            dt = jnp.dtype(dtype)
+            args = (jnp.asarray(to(x, (0, 2, 3, 1)), dt), jnp.asarray(to(w, (2, 3, 1, 0)), dt),
+                    jnp.asarray(b, dt) if bias else None)
+            f = lambda x, w, b: jk.conv2d(x, w, b, data_format=layout, **options)
+            y, vjp = jax.vjp(jax.jit(f), *args)
+            gx, gw = vjp(jnp.asarray(to(dy, (0, 2, 3, 1)), dt))[:2]
+            got = [np.asarray(y), np.asarray(gx), np.asarray(gw)]
+            if nhwc:
+                got = [got[0].transpose(0, 3, 1, 2), got[1].transpose(0, 3, 1, 2),
+                       got[2].transpose(3, 2, 0, 1)]
+            errors = [float(np.max(np.abs(a.astype(np.float64) - e)) /
+                            max(np.max(np.abs(e)), 1e-30)) for a, e in zip(got, expected)]
+            digest = hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes()
+                                             for a in got)).hexdigest()
+            out.append(dict(dtype=dtype, errors=errors, digest=digest))
+    print("RESULT", json.dumps(out))
+""")
+
+
+def _run(code, args, isa, threads):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_KERNELS_NUM_THREADS=str(threads),
+               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(jk.__file__)),
+                                           os.environ.get("PYTHONPATH", "")]))
+    env.pop("JAX_KERNELS_CPU_ISA", None)
+    if isa != "native":
+        env["JAX_KERNELS_CPU_ISA"] = isa
+    result = subprocess.run([sys.executable, "-c", code] + args, capture_output=True, text=True,
+                            env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = [l for l in result.stdout.splitlines() if l.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+TOLERANCE = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
+
+
+@pytest.mark.skipif(torch is None, reason=TORCH_UNAVAILABLE)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_dense_paths_match_torch_and_ignore_the_thread_count(isa, layout):
+    cases = [list(c) + [layout] for c in DENSE]
+    runs = [_run(SCRIPT, [json.dumps(cases)], isa, threads) for threads in (1, 2)]
+    for got in runs[0]:
+        for name, error in zip(("output", "d_input", "d_weight"), got["errors"]):
+            assert error <= TOLERANCE[got["dtype"]], (got["dtype"], name, error)
+    assert [r["digest"] for r in runs[0]] == [r["digest"] for r in runs[1]]
+
+
+CONVERSIONS = textwrap.dedent("""
+    import json
+    import numpy as np, jax, jax.numpy as jnp, ml_dtypes
+    import jax_kernels as jk
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    failures = []
+    for name, np_dtype in (("float16", np.float16), ("bfloat16", ml_dtypes.bfloat16)):
+        x = bits.view(np_dtype).reshape(1, 1, 256, 256)
+        # A 1x1 convolution of one input channel into 4 filters: each output is w * x, exact in
+        # float32 (two 11- or 8-bit significands), rounded once to the output type.
+        for wv in (1.0, 0.3, 1.7, -2.5e-3, 3.0e4):
+            w = np.full((4, 1, 1, 1), wv, np.float32).astype(np_dtype)
+            y = np.asarray(jax.jit(lambda x, w: jk.conv2d(x, w))(jnp.asarray(x), jnp.asarray(w)))
+            exact = x.astype(np.float32) * w.astype(np.float32)[:, :, 0, 0][None, :, :, None]
+            expected = exact.astype(np_dtype)
+            nan = np.isnan(expected.astype(np.float32))
+            # XLA's CPU threads flush float32 subnormals (bfloat16's own range) to zero, and
+            # 0 + (-0) is +0: zeros compare by value, and results or inputs below float32's
+            # smallest normal are left out.
+            zero = (y.astype(np.float32) == 0) & (expected.astype(np.float32) == 0)
+            tiny = np.finfo(np.float32).tiny
+            flushed = (np.abs(exact) < tiny) | (np.abs(x.astype(np.float32)) < tiny)
+            same = (y.view(np.uint16) == expected.view(np.uint16)) | nan | zero | flushed
+            if not (same.all() and np.array_equal(np.isnan(y.astype(np.float32)), nan)):
+                failures.append([name, wv, int((~same).sum())])
+    print("RESULT", json.dumps(failures))
+""")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_half_conversions_are_exact(isa):
+    pytest.importorskip("ml_dtypes")
+    assert _run(CONVERSIONS, [], isa, 2) == []
