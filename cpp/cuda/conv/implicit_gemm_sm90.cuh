@@ -1,5 +1,6 @@
 // Hopper kernels of the tensor-core convolution path: CUTLASS 3.x implicit GEMM with TMA im2col
-// loads and warpgroup MMA (WGMMA), warp-specialized and persistent. Included by one
+// loads and warpgroup MMA (WGMMA), warp-specialized (a producer warp issues the TMA loads, a
+// consumer warpgroup the MMAs; CUTLASS 4.2 offers conv no persistent schedule). Included by one
 // implicit_gemm_sm90_<math>.cu per math mode; those files are compiled for sm_90a only (WGMMA and
 // the im2col TMA are sm_90a features), in their own object library (cpp/CMakeLists.txt).
 //
@@ -94,8 +95,8 @@ struct FpropConfig {
   using Device = cutlass::conv::device::ConvUniversalAdapter<Kernel>;
 };
 
-// The SM count the persistent scheduler sizes its grid with, queried once per process for the
-// current device (it changes only the grid, never the result).
+// The SM count the kernel arguments carry (hardware info), queried once per process for the
+// current device rather than by CUTLASS at every call; it never changes a result.
 inline int sm_count() {
   static const int count = [] {
     int device = 0, sms = 0;
