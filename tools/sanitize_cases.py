@@ -115,8 +115,9 @@ def conv2d_cases(dtype):
     # conv2d: the unrolled 7x7/5x5/3x3 stencils (strip kernels, 7- and 8-row strips; tensor-core
     # kernels for the half types; 16-byte vector and element staging; several column and row
     # tiles), the generic and the global-memory stencils, every weight-gradient kernel, the bias
-    # gradient, the tensor-core path where it takes the problem, per-example weights and an
-    # empty batch.
+    # gradient, the tensor-core path where it takes the problem (on Hopper its sm_90a forward
+    # kernels; the im2col route for few input channels: a 7x7/2 stem, a 5x5/2 two-channel conv),
+    # per-example weights and an empty batch.
     for x_shape, w_shape, options in (
             ((2, 4, 14, 14), (4, 1, 7, 7), dict(padding=3, groups=4)),
             ((1, 3, 16, 20), (6, 1, 5, 5), dict(padding=2, groups=3)),
@@ -128,7 +129,9 @@ def conv2d_cases(dtype):
             ((2, 4, 56, 56), (4, 1, 7, 7), dict(padding=3, groups=4)),
             ((2, 3, 64, 72), (3, 1, 7, 7), dict(padding=3, groups=3)),
             ((1, 2, 70, 136), (2, 1, 5, 5), dict(padding=2, groups=2)),
-            ((2, 4, 24, 24), (4, 1, 3, 3), dict(stride=2, padding=1, groups=4))):
+            ((2, 4, 24, 24), (4, 1, 3, 3), dict(stride=2, padding=1, groups=4)),
+            ((2, 3, 17, 18), (16, 3, 7, 7), dict(stride=2, padding=3)),
+            ((2, 32, 16, 16), (64, 32, 1, 1), dict(stride=2))):
         x, w, b = rand(*x_shape, dtype=dtype), rand(*w_shape, dtype=dtype), rand(w_shape[0], dtype=dtype)
         conv_grad = jax.grad(lambda x, w, b: jnp.sum(jk.conv2d(x, w, b, **options).astype(jnp.float32)),
                              argnums=(0, 1, 2))
@@ -139,8 +142,9 @@ def conv2d_cases(dtype):
 
 def conv2d_nhwc_cases(dtype):
     # channels-last conv2d: the tensor-core path in place (fprop, unit-stride dgrad as fprop,
-    # strided dgrad, wgrad), the direct channels-last stencil, wgrad and bias gradient (grouped,
-    # depthwise, strided, dilated, channels off the 128-bit access), per-example weights.
+    # strided dgrad, wgrad), repacked (grouped, channels off the 128-bit access) and on im2col
+    # columns (3-channel stems, with the output in place or unpacked), the direct channels-last
+    # stencil, wgrad and bias gradient (depthwise, strided, dilated), per-example weights.
     for x_shape, w_shape, options in (
             ((2, 9, 9, 16), (3, 3, 16, 16), dict(padding=1)),
             ((2, 11, 10, 16), (3, 3, 16, 32), dict(stride=2, padding=1)),
@@ -150,7 +154,10 @@ def conv2d_nhwc_cases(dtype):
             ((1, 17, 21, 5), (3, 3, 1, 5), dict(padding=1, groups=5)),
             ((2, 13, 12, 4), (3, 3, 1, 8), dict(stride=2, padding=1, groups=4)),
             ((1, 30, 30, 3), (3, 3, 3, 5), dict(dilation=7, padding=2)),
-            ((2, 10, 10, 32), (3, 3, 16, 32), dict(padding=1, groups=2))):
+            ((2, 10, 10, 32), (3, 3, 16, 32), dict(padding=1, groups=2)),
+            ((2, 17, 18, 3), (7, 7, 3, 16), dict(stride=2, padding=3)),
+            ((2, 16, 16, 3), (4, 4, 3, 12), dict(stride=4)),
+            ((2, 12, 12, 24), (3, 3, 24, 20), dict(padding=1))):
         x, w, b = rand(*x_shape, dtype=dtype), rand(*w_shape, dtype=dtype), rand(w_shape[-1], dtype=dtype)
         conv_grad = jax.grad(lambda x, w, b: jnp.sum(
             jk.conv2d(x, w, b, data_format="NHWC", **options).astype(jnp.float32)), argnums=(0, 1, 2))
