@@ -16,7 +16,8 @@ over the device copy bandwidth measured in the same run; "-" where a case has no
 Each op contributes a ``cases_<op>(ctx)`` function returning :class:`Case` objects; ``CASES``
 maps op names to them. ``conv2d_sweep`` (the convolutions of a ResNet-50 and a ConvNeXt-T, both
 dtypes and layouts) runs by default on a GPU only: on two CPU cores its --quick form did not
-finish in 15 minutes (lax.conv's depthwise weight gradients take up to 70 ms a call there). ``train_step`` is a whole training step of a model over every op
+finish in 15 minutes (lax.conv's depthwise weight gradients take up to 70 ms a call there).
+``train_step`` is a whole training step of a model over every op
 (:class:`TrainModel`, also used by tools/scaling_bench.py) against the same model in pure JAX,
 torch and (GPU) torch.compile; its slow contenders get fewer timed calls (``Case.budget_s``), and
 lines starting with ``#`` above a case's rows are its notes (a contender left out, the bitwise
