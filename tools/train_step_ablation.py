@@ -4,10 +4,19 @@ form (lax.conv, the jnp gathers, jnp.tile, the jnp lerp), the convolutions split
 and the others. Per-dispatch milliseconds of the jitted step, the best of a few rounds. Then each convolution
 of the model alone (forward + both gradients, jitted), jax_kernels against lax.conv.
 
-    python tools/train_step_ablation.py [--dtype bfloat16] [--size gpu|cpu|quick]
+    python tools/train_step_ablation.py [--dtype bfloat16] [--size gpu|cpu|quick] [--profile DIR]
+
+--profile DIR instead traces 20 steps of the jax_kernels step and of the pure-JAX step with
+jax.profiler (a Perfetto trace under DIR) and prints each step's device kernels: total device
+time per step and the kernels that take it, by name.
 """
 
 import argparse
+import collections
+import glob
+import gzip
+import json
+import os
 import time
 
 import jax
@@ -29,10 +38,50 @@ def timed(step, args, calls=30, rounds=5):
     return best
 
 
+def device_kernels(trace_dir, steps):
+    """(name -> device ms per step) of the Perfetto trace that jax.profiler wrote to trace_dir:
+    the complete events on the device processes' stream lines (not the host threads, nor the
+    "XLA Ops" / "XLA Modules" lines, which repeat the kernels' times per op and module)."""
+    path = max(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True),
+               key=os.path.getmtime)
+    with gzip.open(path) as f:
+        events = json.load(f)["traceEvents"]
+    meta = [e for e in events if e.get("ph") == "M"]
+    processes = {e["pid"]: str(e.get("args", {}).get("name", ""))
+                 for e in meta if e.get("name") == "process_name"}
+    threads = {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", ""))
+               for e in meta if e.get("name") == "thread_name"}
+    devices = {pid for pid, name in processes.items() if "/device:" in name and "CPU" not in name}
+    streams = {key for key, name in threads.items()
+               if key[0] in devices and name.lower().startswith("stream")}
+    totals = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams:
+            totals[e["name"]] += e.get("dur", 0) / 1e3 / steps
+    if not totals:
+        print("  no device stream events; lines seen:",
+              sorted(processes.values())[:20], sorted(set(threads.values()))[:40])
+    return totals
+
+
+def profile(step, args, trace_dir, steps=20, top=25):
+    out = step(*args)
+    jax.block_until_ready(out)
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(steps):
+            out = step(*args)
+        jax.block_until_ready(out)
+    totals = device_kernels(trace_dir, steps)
+    print(f"  device time per step {sum(totals.values()):.4f} ms in {len(totals)} kernel names")
+    for name, ms in totals.most_common(top):
+        print(f"  {ms:8.4f} ms  {name[:150]}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--size", default="gpu" if jax.default_backend() == "gpu" else "cpu")
+    parser.add_argument("--profile", metavar="DIR", help="trace the two steps' kernels instead")
     a = parser.parse_args()
     dtype = jnp.dtype(a.dtype)
     model, batch, side = bench.TRAIN_SIZES[a.size]
@@ -45,6 +94,13 @@ def main():
             f = depthwise if groups > 1 else others
             return f(x, w, b, stride=stride, padding=padding, groups=groups)
         return conv
+
+    if a.profile:
+        for name, ops in (("jax_kernels", jk_ops), ("pure JAX", jnp_ops)):
+            print(f"# {name} step, {dtype.name}, {jax.devices()[0].device_kind}", flush=True)
+            profile(jax.jit(bench.train_step(ops, model)), (params, params, images, boxes, labels),
+                    os.path.join(a.profile, name.replace(" ", "_")))
+        return
 
     variants = {"jax_kernels": jk_ops, "pure JAX": jnp_ops}
     for key in jk_ops:
