@@ -431,7 +431,19 @@ def _bgrad_shape(dy, *, layout):
 
 def _bgrad_emit(dy, *, layout):
     result = jax.ShapeDtypeStruct(*_bgrad_shape(dy, layout=layout))
-    return _ffi.call(_target("jk_conv2d_bwd_bias", layout), result, dy)
+    batch = dy.shape[0] if dy.ndim == 5 else 1
+    N, K, P, Q = _x_dims(dy.shape[-4:], layout)
+
+    def scratch_bytes():
+        nbytes = _ffi.query("conv2d_bias_scratch", layout=_ffi.ENUMS["ConvLayout"][layout],
+                            dtype=_ffi.ENUMS["ConvDtype"][np.dtype(dy.dtype).name],
+                            batch=batch, N=N, K=K, plane=P * Q)
+        if nbytes < 0:
+            raise RuntimeError(f"{_OP}(): the CUDA module rejected the bias gradient of {dy.shape}")
+        return nbytes
+
+    return _ffi.call_with_cuda_scratch(_target("jk_conv2d_bwd_bias", layout), result, dy,
+                                       scratch_bytes=scratch_bytes)
 
 
 def _bgrad_transpose(ct, dy, *, layout):

@@ -257,17 +257,68 @@ def test_lowered_program_holds_custom_calls_only():
 
 @pytest.mark.skipif(not _ffi.CUDA_BUILT, reason="the CUDA module is not built")
 def test_cuda_lowering_requests_scratch():
-    """Cross-lowered for CUDA (possible without a GPU): fwd, dgrad and wgrad return a uint8
-    scratch buffer next to their result; the bias gradient does not."""
+    """Cross-lowered for CUDA (possible without a GPU): every pass returns a uint8 scratch buffer
+    next to its result (the bias gradient an empty one when one chunk per filter suffices)."""
     x, w, b = random(21, (2, 8, 10, 10)), random(22, (8, 1, 3, 3)), random(23, (8,))
     f = jax.grad(lambda x, w, b: jnp.sum(jk.conv2d(x, w, b, padding=1, groups=8) ** 2),
                  argnums=(0, 1, 2))
     text = jax.export.export(jax.jit(f), platforms=("cuda",),
                              disabled_checks=jk.disabled_export_checks())(x, w, b).mlir_module()
-    for target in TARGETS[:3]:
+    for target in TARGETS:
         call = re.search(rf"custom_call @{_ffi.target_name(target)}\(.*", text).group(0)
         assert re.search(r"-> \(tensor<[0-9x]+xf32>, tensor<\d+xui8>\)", call), call
     assert "stablehlo.while" not in text and "convolution" not in text
+
+
+@pytest.mark.skipif(not _ffi.CUDA_BUILT, reason="the CUDA module is not built")
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_bias_gradient_scratch_follows_the_shape(layout):
+    """The bias gradient cuts each filter's sum into chunks fixed by the shape (float partials in
+    scratch): none for one chunk, at most 4096 chunks per filter however long the sum."""
+    def scratch(batch, n, k, plane, dtype="float32"):
+        return _ffi.query("conv2d_bias_scratch", layout=_ffi.ENUMS["ConvLayout"][layout],
+                          dtype=_ffi.ENUMS["ConvDtype"][dtype], batch=batch, N=n, K=k,
+                          plane=plane)
+    assert scratch(1, 1, 8, 49) == 0
+    many = scratch(1, 32, 64, 56 * 56)
+    assert many > 0 and many % (64 * 4) == 0
+    assert scratch(3, 32, 64, 56 * 56) == 3 * many
+    assert scratch(1, 32, 64, 56 * 56, "float64") == 2 * many
+    assert scratch(1, 2**20, 2, 4096) == 4096 * 2 * 4  # 2^32 terms per filter: capped chunks
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float64])
+def test_bias_gradient_of_long_sums_matches_float64(layout, dtype):
+    """The bias gradient where each filter's sum is cut into many chunks (on CUDA): planes of a
+    multiple of 8 positions and not, 3, 20 and 64 filters (16-byte granules and element loads
+    channels last), a vmapped batch; against the float64 sum of the same dy, and bitwise the same
+    when run again. On CUDA the program serialized without the scratch result (one pass per
+    filter) gives the same sums to float32 rounding."""
+    from jax_kernels import conv as conv_module
+    for seed, (n, k, p, q) in enumerate(((16, 64, 32, 32), (7, 20, 37, 41), (9, 3, 30, 31))):
+        shape = (2, n, k, p, q) if layout == "NCHW" else (2, n, p, q, k)
+        dy = random(40 + seed, shape, dtype)
+        axes = (1, 3, 4) if layout == "NCHW" else (1, 2, 3)
+        expected = np.sum(np.asarray(dy.astype(jnp.float64)), axis=axes)
+        scale = np.sum(np.abs(np.asarray(dy.astype(jnp.float64))), axis=axes).max()
+        bgrad = jax.jit(lambda dy: conv_module._bias_gradient(dy, layout))
+        accumulate = 1e-13 if dtype == jnp.float64 else 1e-6
+
+        def check(got):
+            # float32 (float64) sums over |dy|, then one rounding to dtype.
+            assert got.dtype == dtype and got.shape == (2, k)
+            error = np.abs(np.asarray(got.astype(jnp.float64)) - expected)
+            bound = float(jnp.finfo(dtype).eps) * np.abs(expected) + accumulate * scale
+            assert np.all(error <= bound), (error.max(), (error - bound).max())
+
+        got = bgrad(dy)
+        check(got)
+        np.testing.assert_array_equal(np.asarray(bgrad(dy)), np.asarray(got))
+        if ON_GPU:
+            check(jax.jit(lambda dy: _ffi.call(
+                conv_module._target("jk_conv2d_bwd_bias", layout),
+                jax.ShapeDtypeStruct((2, k), dtype), dy))(dy))
 
 
 @pytest.mark.skipif(not _ffi.CUDA_BUILT, reason="the CUDA module is not built")

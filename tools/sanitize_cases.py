@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_kernels as jk
+from jax_kernels import conv as jk_conv
 
 jax.config.update("jax_enable_x64", True)
 rng = np.random.default_rng(0)
@@ -138,6 +139,15 @@ def conv2d_cases(dtype):
         jax.block_until_ready(conv_grad(x, w, b))
     jax.block_until_ready(jax.vmap(conv_grad, in_axes=(None, 0, 0))(x, jnp.stack([w, -w]), jnp.stack([b, b])))
     jax.block_until_ready(jax.grad(lambda w: jnp.sum(jk.conv2d(x[:0], w, **options).astype(jnp.float32)))(w))
+    bias_gradient_cases(dtype, "NCHW")
+
+
+def bias_gradient_cases(dtype, layout):
+    # the bias gradient cut into many chunks (partials in scratch, then added in order): planes
+    # of a multiple of 8 positions and not, filters in granules of 8 and not (channels last).
+    for n, k, p, q in ((5, 16, 40, 48), (3, 3, 37, 41)):
+        dy = rand(2, n, k, p, q, dtype=dtype) if layout == "NCHW" else rand(2, n, p, q, k, dtype=dtype)
+        jax.block_until_ready(jax.jit(lambda dy: jk_conv._bias_gradient(dy, layout))(dy))
 
 
 def conv2d_nhwc_cases(dtype):
@@ -165,6 +175,7 @@ def conv2d_nhwc_cases(dtype):
     jax.block_until_ready(jax.vmap(conv_grad, in_axes=(None, 0, 0))(x, jnp.stack([w, -w]), jnp.stack([b, b])))
     jax.block_until_ready(jax.grad(lambda w: jnp.sum(
         jk.conv2d(x[:0], w, data_format="NHWC", **options).astype(jnp.float32)))(w))
+    bias_gradient_cases(dtype, "NHWC")
 
 
 OPS = {"lerp": lerp_cases, "repeat": repeat_cases, "roi_align": roi_align_cases,

@@ -119,11 +119,6 @@ template <class T>
 ffi::Error run_wgrad(cudaStream_t stream, const T* dy, const T* x, T* dw, const ConvProblem& p,
                      void* scratch, int64_t scratch_bytes);
 
-// db [B, K] from dy [B, N, K, plane] (B = 1 unbatched): `outputs` = B * K.
-template <class T>
-ffi::Error run_bias_gradient(cudaStream_t stream, const T* dy, T* db, int64_t outputs, int64_t N,
-                             int64_t K, int64_t plane);
-
 // ---- Channels last (direct_nhwc.cu): NHWC activations, HWIO weights ---------------------------
 
 // out[n, y, x, g*Og + o] = bias + sum_{i, r, s} w(g, o, i, r, s) * upsampled source at (n, rows
@@ -151,9 +146,18 @@ template <class T>
 ffi::Error run_wgrad_nhwc(cudaStream_t stream, const T* dy, const T* x, T* dw,
                           const ConvProblem& p, void* scratch, int64_t scratch_bytes);
 
-// db [B, K] from dy [B, rows, K] (rows = N * P * Q).
+// ---- Bias gradient (bias_gradient.cu), both layouts --------------------------------------------
+
+// The scratch bytes of run_bias_gradient (float partials of the chunks; 0 for one chunk per
+// filter), -1 for negative extents, kSizeOverflow past int64.
+int64_t bias_gradient_scratch_bytes(ConvLayout layout, ConvDtype dtype, int64_t batch, int64_t N,
+                                    int64_t K, int64_t plane);
+
+// db [B, K] from dy [B, N, K, plane] (NCHW) or [B, N * plane, K] (NHWC); B = 1 unbatched. With
+// less scratch than bias_gradient_scratch_bytes (or none), the same sums in one pass per filter.
 template <class T>
-ffi::Error run_bias_gradient_nhwc(cudaStream_t stream, const T* dy, T* db, int64_t batch,
-                                  int64_t rows, int64_t K);
+ffi::Error run_bias_gradient(cudaStream_t stream, ConvLayout layout, const T* dy, T* db,
+                             int64_t batch, int64_t N, int64_t K, int64_t plane, void* scratch,
+                             int64_t scratch_bytes);
 
 }  // namespace jax_kernels

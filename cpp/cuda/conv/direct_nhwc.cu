@@ -18,7 +18,7 @@
 //   adds the slices in order. Depthwise rows (unit column stride and dilation) cut the N*P output
 //   rows instead, and a thread sums a whole row of taps of one filter from register windows of
 //   dy and x. No atomics: bitwise reproducible on every GPU.
-// - Bias gradient: a block per 32 filters (x batch), 32 row groups summed in a fixed order.
+// The bias gradient of both layouts is in bias_gradient.cu.
 // Indices are 64-bit throughout (grid-stride loops over int64 counts).
 #include <algorithm>
 #include <cstdint>
@@ -402,36 +402,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// db[b, k] = sum over rows of dy[b, row, k]: thread (lane, group) of a block sums rows group,
-// group + 32, ... of filter k0 + lane; the 32 group sums are then added in order.
-template <class T>
-__global__ void __launch_bounds__(1024)
-    bias_gradient_nhwc_kernel(const T* __restrict__ dy, T* __restrict__ db, int64_t rows,
-                              int64_t K, int64_t k_tiles) {
-  using A = acc_t<T>;
-  __shared__ A sums[32][33];
-  const int lane = threadIdx.x % 32, group = threadIdx.x / 32;
-  const int64_t b = blockIdx.x / k_tiles, k = (blockIdx.x % k_tiles) * 32 + lane;
-  A sum = A(0);
-  if (k < K) {
-    // Blocks of kBiasBlockTerms terms are summed apart and then added up, so that 2^31 rows
-    // do not grow one float accumulator past 2^24 times its terms' size; at most one block per
-    // thread (up to 131072 rows per image) is the plain running sum.
-    const T* in = dy + b * rows * K + k;
-    for (int64_t first = group; first < rows; first += 32 * kBiasBlockTerms) {
-      const int64_t end = first + std::min<int64_t>(rows - first, 32 * kBiasBlockTerms);
-      A part = A(0);
-      for (int64_t row = first; row < end; row += 32) part += to_acc(in[row * K]);
-      sum += part;
-    }
-  }
-  sums[group][lane] = sum;
-  __syncthreads();
-  if (group != 0 || k >= K) return;
-  for (int g = 1; g < 32; ++g) sum += sums[g][lane];
-  db[b * K + k] = from_acc<T>(sum);
-}
-
 }  // namespace
 
 NhwcStencil forward_nhwc(const ConvProblem& p) {
@@ -527,26 +497,13 @@ ffi::Error run_wgrad_nhwc(cudaStream_t stream, const T* dy, const T* x, T* dw,
   return launch_status("conv2d wgrad (reduction)");
 }
 
-template <class T>
-ffi::Error run_bias_gradient_nhwc(cudaStream_t stream, const T* dy, T* db, int64_t batch,
-                                  int64_t rows, int64_t K) {
-  const int64_t k_tiles = ceil_div(K, 32);
-  const int64_t blocks = batch * k_tiles;
-  if (blocks == 0) return ffi::Error::Success();
-  if (blocks > 0x7fffffff)
-    return ffi::Error::InvalidArgument("conv2d bias gradient: too many filters");
-  bias_gradient_nhwc_kernel<T><<<unsigned(blocks), 1024, 0, stream>>>(dy, db, rows, K, k_tiles);
-  return launch_status("conv2d bias gradient");
-}
 
 #define JK_INSTANTIATE(T)                                                                       \
   template ffi::Error run_stencil_nhwc<T>(cudaStream_t, const char*, const T*, const T*,        \
                                           const T*, T*, const NhwcStencil&);                    \
   template int64_t wgrad_nhwc_scratch_bytes<T>(const ConvProblem&);                             \
   template ffi::Error run_wgrad_nhwc<T>(cudaStream_t, const T*, const T*, T*, const ConvProblem&, \
-                                        void*, int64_t);                                        \
-  template ffi::Error run_bias_gradient_nhwc<T>(cudaStream_t, const T*, T*, int64_t, int64_t,   \
-                                                int64_t);
+                                        void*, int64_t);
 JK_INSTANTIATE(float16)
 JK_INSTANTIATE(bfloat16)
 JK_INSTANTIATE(float)

@@ -201,23 +201,44 @@ ffi::Error conv2d_backward_weight(cudaStream_t stream, ffi::AnyBuffer dy, ffi::A
   });
 }
 
+// The bias gradient's scratch result is optional (ffi::RemainingRets): programs serialized before
+// it existed call the target with db alone and get one pass per filter (deterministic too, but
+// other bits than the chunked sums).
 template <ConvLayout L>
 ffi::Error conv2d_backward_bias(cudaStream_t stream, ffi::AnyBuffer dy,
-                                ffi::Result<ffi::AnyBuffer> db) {
+                                ffi::Result<ffi::AnyBuffer> db, ffi::RemainingRets rest) {
   int64_t batch, N, K, plane;
   if (auto error = conv2d_bias_gradient_shape(dy, *db, &batch, &N, &K, &plane, L);
       error.failure())
     return error;
+  if (rest.size() > 1)
+    return ffi::Error::InvalidArgument("conv2d bias gradient: expected db and at most a scratch result");
+  void* scratch = nullptr;
+  int64_t scratch_bytes = 0;
+  if (rest.size() == 1) {
+    auto buffer = rest.get<ffi::AnyBuffer>(0);
+    if (!buffer.has_value()) return buffer.error();
+    scratch = (*buffer)->untyped_data();
+    scratch_bytes = int64_t((*buffer)->size_bytes());
+  }
   if (db->element_count() == 0) return ffi::Error::Success();
   return dispatch_float(dy.element_type(), "conv2d bias gradient", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    const T* in = static_cast<const T*>(dy.untyped_data());
-    T* out = static_cast<T*>(db->untyped_data());
-    if constexpr (L == ConvLayout::kNHWC)
-      return run_bias_gradient_nhwc<T>(stream, in, out, batch, N * plane, K);
-    else
-      return run_bias_gradient<T>(stream, in, out, batch * K, N, K, plane);
+    return run_bias_gradient<T>(stream, L, static_cast<const T*>(dy.untyped_data()),
+                                static_cast<T*>(db->untyped_data()), batch, N, K, plane, scratch,
+                                scratch_bytes);
   });
+}
+
+// Host query "conv2d_bias_scratch": the scratch bytes of the bias gradient of dy [(batch,) N, K,
+// P, Q] (NCHW) or [(batch,) N, P, Q, K] (NHWC), plane = P * Q. Arguments: `layout`
+// (ConvLayout), `dtype` (ConvDtype), batch, N, K, plane.
+int64_t conv2d_bias_scratch_query(const QueryArgs& a) {
+  const ConvLayout layout = ConvLayout(a["layout"]);
+  const ConvDtype dtype = ConvDtype(a["dtype"]);
+  const int64_t batch = a["batch"], N = a["N"], K = a["K"], plane = a["plane"];
+  if (layout != ConvLayout::kNCHW && layout != ConvLayout::kNHWC) return -1;
+  return bias_gradient_scratch_bytes(layout, dtype, batch, N, K, plane);
 }
 
 using Stream = ffi::PlatformStream<cudaStream_t>;
@@ -263,7 +284,8 @@ namespace jax_kernels {
                                 ffi::Ffi::Bind()                                               \
                                     .Ctx<Stream>()                                             \
                                     .Arg<ffi::AnyBuffer>()                                     \
-                                    .Ret<ffi::AnyBuffer>(),                                    \
+                                    .Ret<ffi::AnyBuffer>()                                     \
+                                    .RemainingRets(),                                          \
                                 {ffi::Traits::kCmdBufferCompatible})
 
 JK_CONV2D_CUDA_HANDLERS(Nchw, ConvLayout::kNCHW);
@@ -281,7 +303,8 @@ JK_REGISTER_TARGET("jk_conv2d_bwd_weight", Conv2dBackwardWeightCudaNchw, "conv2d
                    "cuda tensor-core implicit GEMM where it applies, else two-pass reduction",
                    "bitwise");
 JK_REGISTER_TARGET("jk_conv2d_bwd_bias", Conv2dBackwardBiasCudaNchw, "conv2d", "backward d_bias",
-                   "cuda ordered block reduction", "bitwise");
+                   "cuda fixed chunks, each a fixed-order block reduction, added in order",
+                   "bitwise");
 JK_REGISTER_TARGET("jk_conv2d_nhwc_fwd", Conv2dForwardCudaNhwc, "conv2d", "forward (NHWC)",
                    "cuda tensor-core implicit GEMM on the NHWC tensors where it applies, else "
                    "direct channels-last stencil",
@@ -297,7 +320,10 @@ JK_REGISTER_TARGET("jk_conv2d_nhwc_bwd_weight", Conv2dBackwardWeightCudaNhwc, "c
                    "two-pass reduction over fixed slices",
                    "bitwise");
 JK_REGISTER_TARGET("jk_conv2d_nhwc_bwd_bias", Conv2dBackwardBiasCudaNhwc, "conv2d",
-                   "backward d_bias (NHWC)", "cuda ordered block reduction", "bitwise");
+                   "backward d_bias (NHWC)",
+                   "cuda fixed chunks, each a fixed-order block reduction, added in order",
+                   "bitwise");
 JK_REGISTER_QUERY("conv2d_scratch", conv2d_scratch_query);
+JK_REGISTER_QUERY("conv2d_bias_scratch", conv2d_bias_scratch_query);
 
 }  // namespace jax_kernels

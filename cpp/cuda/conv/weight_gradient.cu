@@ -1,9 +1,8 @@
-// The conv2d weight and bias gradients of the direct path (conv/direct.h): partial sums per fixed
-// slice of images for each (filter, channel) pair, then the slices added in order (no atomics:
-// bitwise reproducible). Unit-stride 3x3/5x5/7x7 taps take the strip kernel (float32/float64,
+// The conv2d weight gradient of the direct path (conv/direct.h): partial sums per fixed slice of
+// images for each (filter, channel) pair, then the slices added in order (no atomics: bitwise
+// reproducible). Unit-stride 3x3/5x5/7x7 taps take the strip kernel (float32/float64,
 // cp.async-pipelined when x's rows are whole vectors) or the tensor-core kernel (half types);
-// other geometries a generic kernel. The bias gradient is one fixed-order block reduction per
-// (batch, filter).
+// other geometries a generic kernel. The bias gradient is in bias_gradient.cu.
 #include <algorithm>
 #include <cstdint>
 
@@ -572,41 +571,6 @@ void launch_wgrad_mma(cudaStream_t stream, const T* dy, const T* x, float* parti
 }
 
 
-// ---- Bias gradient ------------------------------------------------------------------------------
-
-// db[b, k] = the sum over n, p, q of dy[b, n, k, p, q]: one block per (b, k), each thread a
-// fixed strided subset, then block_sum.
-template <class T>
-__global__ void __launch_bounds__(kMaxThreads)
-    bias_gradient_kernel(const T* __restrict__ dy, T* __restrict__ db, int64_t outputs,
-                         int64_t N, int64_t K, int64_t plane) {
-  using A = acc_t<T>;
-  __shared__ A total[1];
-  for (int64_t item = blockIdx.x; item < outputs; item += gridDim.x) {
-    const int64_t b = item / K, k = item % K;
-    // Each thread sums its terms in blocks of kBiasBlockTerms, added up after (see
-    // bias_gradient_nhwc_kernel); up to one block it is the plain running sum.
-    A sum[1] = {A(0)};
-    A part = A(0);
-    int64_t terms = 0;
-    for (int64_t n = 0; n < N; ++n) {
-      const T* in = dy + ((b * N + n) * K + k) * plane;
-      for (int64_t i = threadIdx.x; i < plane; i += blockDim.x) {
-        part += to_acc(in[i]);
-        if (++terms == kBiasBlockTerms) {
-          sum[0] += part;
-          part = A(0);
-          terms = 0;
-        }
-      }
-    }
-    sum[0] += part;
-    block_sum(sum, total);
-    if (threadIdx.x == 0) db[item] = from_acc<T>(total[0]);
-    __syncthreads();
-  }
-}
-
 }  // namespace
 
 template <class T>
@@ -686,14 +650,6 @@ ffi::Error run_wgrad(cudaStream_t stream, const T* dy, const T* x, T* dw, const 
   return launch_status(op);
 }
 
-template <class T>
-ffi::Error run_bias_gradient(cudaStream_t stream, const T* dy, T* db, int64_t outputs, int64_t N,
-                             int64_t K, int64_t plane) {
-  const unsigned blocks = unsigned(std::min<int64_t>(outputs, int64_t(1) << 30));
-  bias_gradient_kernel<T><<<blocks, kMaxThreads, 0, stream>>>(dy, db, outputs, N, K, plane);
-  return launch_status("conv2d bias gradient");
-}
-
 template ffi::Error run_wgrad<float16>(cudaStream_t, const float16*, const float16*, float16*, const ConvProblem&,
                                     void*, int64_t);
 template ffi::Error run_wgrad<bfloat16>(cudaStream_t, const bfloat16*, const bfloat16*, bfloat16*, const ConvProblem&,
@@ -702,13 +658,5 @@ template ffi::Error run_wgrad<float>(cudaStream_t, const float*, const float*, f
                                     void*, int64_t);
 template ffi::Error run_wgrad<double>(cudaStream_t, const double*, const double*, double*, const ConvProblem&,
                                     void*, int64_t);
-template ffi::Error run_bias_gradient<float16>(cudaStream_t, const float16*, float16*, int64_t, int64_t,
-                                            int64_t, int64_t);
-template ffi::Error run_bias_gradient<bfloat16>(cudaStream_t, const bfloat16*, bfloat16*, int64_t, int64_t,
-                                            int64_t, int64_t);
-template ffi::Error run_bias_gradient<float>(cudaStream_t, const float*, float*, int64_t, int64_t,
-                                            int64_t, int64_t);
-template ffi::Error run_bias_gradient<double>(cudaStream_t, const double*, double*, int64_t, int64_t,
-                                            int64_t, int64_t);
 
 }  // namespace jax_kernels
