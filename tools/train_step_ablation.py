@@ -8,7 +8,8 @@ of the model alone (forward + both gradients, jitted), jax_kernels against lax.c
 
 --profile DIR instead traces 20 steps of the jax_kernels step and of the pure-JAX step with
 jax.profiler (a Perfetto trace under DIR) and prints each step's device kernels: total device
-time per step and the kernels that take it, by name.
+time per step and the kernels that take it, by name; then the same for each convolution alone
+(no op-swapped variants).
 """
 
 import argparse
@@ -100,7 +101,6 @@ def main():
             print(f"# {name} step, {dtype.name}, {jax.devices()[0].device_kind}", flush=True)
             profile(jax.jit(bench.train_step(ops, model)), (params, params, images, boxes, labels),
                     os.path.join(a.profile, name.replace(" ", "_")))
-        return
 
     variants = {"jax_kernels": jk_ops, "pure JAX": jnp_ops}
     for key in jk_ops:
@@ -115,7 +115,7 @@ def main():
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, {a.size} size "
           f"(batch {batch}, side {side}, channels {model.channels}), {dtype.name}")
     base = None
-    for name, ops in variants.items():
+    for name, ops in ({} if a.profile else variants).items():
         step = jax.jit(bench.train_step(ops, model))
         ms = timed(step, (params, params, images, boxes, labels))
         base = base or ms
@@ -139,6 +139,10 @@ def main():
                 conv(x, w, stride=stride, padding=pad, groups=groups).astype(jnp.float32) ** 2)
             step = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
             row.append(f"{label} {timed(step, (x, w)):7.4f} ms")
+            if a.profile:
+                print(f"# conv {name}, {label}: forward + both gradients", flush=True)
+                profile(step, (x, w), os.path.join(a.profile, f"{name}_{label}".replace(" ", "_")),
+                        top=8)
         print(f"conv {name:14s} x{list(xs)} w{list(ws)}: " + ", ".join(row), flush=True)
 
 

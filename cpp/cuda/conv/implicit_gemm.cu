@@ -256,9 +256,11 @@ bool plan_gemm(const ConvQuery& query, Plan* plan) {
       g.batch_stride_a = p.K * pixels, g.batch_stride_b = p.C * pixels, g.batch_stride_d = p.K * p.C;
       // One float32 partial per image, summed in image order. With few images there are few
       // blocks and a batched launch cannot split the pixel reduction: the NHWC route (split-K
-      // in one launch) is then faster. It also needs less scratch when the partials would
-      // outweigh copies of dy and x (large filters over few pixels).
-      if (p.N * output_tiles(plan->math, g) < kNominalSms / 2) return false;
+      // in one launch) is then faster, below a quarter of the SMs' worth of blocks. (Above it
+      // the GEMM wins: at half, e.g. 64 -> 128 channels over 32 images of 64x64, the NHWC
+      // route's transposes of dy and x move 100 MB.) It also needs less scratch when the
+      // partials would outweigh copies of dy and x (large filters over few pixels).
+      if (p.N * output_tiles(plan->math, g) < kNominalSms / 4) return false;
       const int64_t partial_bytes = checked_product({p.N, p.K, p.C, 4});
       const int64_t copy_bytes = checked_product({p.N, pixels, p.K + p.C, eb});
       if (partial_bytes < 0 || (copy_bytes >= 0 && partial_bytes > copy_bytes)) return false;
