@@ -343,7 +343,7 @@ def test_batch_sharded_on_8_devices():
 # Dense problems the tensor-core path takes, for both kernel families (torch-layout shapes): a
 # narrow and a wide filter tile, bias, stride 2 with padding, a 1x1 stride-2 conv that leaves the
 # last input row unread, dilation, a unit-stride dgrad (an fprop on flipped weights) with
-# padding on one side only, a 3-channel stem and a grouped conv.
+# padding on one side only, 3-channel stems (im2col, both column layouts) and a grouped conv.
 TENSOR_CORE_GEOMETRIES = [
     ((2, 16, 20, 33), (32, 16, 3, 3), dict(padding=1), True),
     ((2, 64, 14, 15), (128, 64, 3, 3), dict(stride=2, padding=1), True),
@@ -353,6 +353,11 @@ TENSOR_CORE_GEOMETRIES = [
     # Channels last off the access width, and groups: repacked into the kernels' layout.
     ((2, 3, 17, 18), (16, 3, 7, 7), dict(stride=2, padding=3), True),
     ((2, 32, 9, 10), (48, 16, 3, 3), dict(padding=1, groups=2), True),
+    # Few channels whose output pixels and filters are on the access width: NCHW through the
+    # batched GEMM on channel-major columns (wgrad too with enough images' worth of blocks).
+    ((16, 3, 8, 8), (128, 3, 3, 3), dict(padding=1), True),
+    ((4, 3, 32, 32), (8, 3, 5, 5), dict(stride=4, padding=2), True),
+    ((4, 2, 20, 20), (8, 2, 5, 5), dict(stride=2, padding=2), False),
 ]
 
 

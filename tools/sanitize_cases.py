@@ -117,7 +117,8 @@ def conv2d_cases(dtype):
     # kernels for the half types; 16-byte vector and element staging; several column and row
     # tiles), the generic and the global-memory stencils, every weight-gradient kernel, the bias
     # gradient, the tensor-core path where it takes the problem (on Hopper its sm_90a forward
-    # kernels; the im2col route for few input channels: a 7x7/2 stem, a 5x5/2 two-channel conv),
+    # kernels; the im2col route for few input channels: a 7x7/2 stem, a 5x5/2 two-channel conv,
+    # a 3x3 3->128 conv over 16 images through the batched GEMM on channel-major columns),
     # per-example weights and an empty batch.
     for x_shape, w_shape, options in (
             ((2, 4, 14, 14), (4, 1, 7, 7), dict(padding=3, groups=4)),
@@ -132,6 +133,7 @@ def conv2d_cases(dtype):
             ((1, 2, 70, 136), (2, 1, 5, 5), dict(padding=2, groups=2)),
             ((2, 4, 24, 24), (4, 1, 3, 3), dict(stride=2, padding=1, groups=4)),
             ((2, 3, 17, 18), (16, 3, 7, 7), dict(stride=2, padding=3)),
+            ((16, 3, 8, 8), (128, 3, 3, 3), dict(padding=1)),
             ((2, 32, 16, 16), (64, 32, 1, 1), dict(stride=2))):
         x, w, b = rand(*x_shape, dtype=dtype), rand(*w_shape, dtype=dtype), rand(w_shape[0], dtype=dtype)
         conv_grad = jax.grad(lambda x, w, b: jnp.sum(jk.conv2d(x, w, b, **options).astype(jnp.float32)),

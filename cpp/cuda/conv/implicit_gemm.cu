@@ -66,6 +66,9 @@ using implicit_gemm::TileClass;
 constexpr int64_t kNominalSms = 132;
 constexpr int64_t kMaxSplitK = 64;
 constexpr int64_t kMinKIterationsPerSlice = 16;
+// The batched GEMM's wgrad (one partial per image and tile) takes problems of at least this
+// many blocks, a quarter of the nominal SMs' worth; below, the split-K conv kernel.
+constexpr int64_t kMinGemmWgradBlocks = 32;
 constexpr int64_t kMaxGroups = 16;
 constexpr int64_t kMinChannelsPerGroup = 16;
 
@@ -164,6 +167,9 @@ struct Plan {
   // and whether the NHWC output (fwd) or output gradient (dgrad, wgrad) is used in place.
   int64_t columns = 0, columns_padded = 0;
   bool y_in_place = false;
+  // kIm2col on NCHW through the batched GEMM (plan->gemm): the columns channel-major,
+  // [N][padded][P*Q], so that y, dy and dx are read and written as NCHW is, with no transposes.
+  bool channel_major = false;
   NhwcConv conv{};  // one group's problem; pointers are set at run time
   BatchedGemm gemm{};  // GEMM route; pointers are set at run time
   // Scratch regions (byte offsets from the 256-byte aligned base) and the bytes to ask for.
@@ -260,7 +266,7 @@ bool plan_gemm(const ConvQuery& query, Plan* plan) {
       // the GEMM wins: at half, e.g. 64 -> 128 channels over 32 images of 64x64, the NHWC
       // route's transposes of dy and x move 100 MB.) It also needs less scratch when the
       // partials would outweigh copies of dy and x (large filters over few pixels).
-      if (p.N * output_tiles(plan->math, g) < kNominalSms / 4) return false;
+      if (p.N * output_tiles(plan->math, g) < kMinGemmWgradBlocks) return false;
       const int64_t partial_bytes = checked_product({p.N, p.K, p.C, 4});
       const int64_t copy_bytes = checked_product({p.N, pixels, p.K + p.C, eb});
       if (partial_bytes < 0 || (copy_bytes >= 0 && partial_bytes > copy_bytes)) return false;
@@ -367,6 +373,57 @@ bool plan_nhwc(const ConvQuery& query, Plan* plan) {
   return true;
 }
 
+// The im2col route on NCHW tensors through the batched GEMM of the 1x1 route (plan_gemm), over
+// channel-major columns cols[n] = [padded][P*Q]: forward y[n] = w [K x padded] * cols[n], dgrad
+// dcols[n] = w^T * dy[n], wgrad one float32 partial w-gradient per image, dy[n] * cols[n]^T.
+// Needs the filters and output pixels on the access width (the GEMM reads and writes y, dy in
+// place) and, for wgrad, enough images' worth of blocks.
+bool plan_im2col_gemm(const ConvQuery& query, Plan* plan) {
+  const ConvProblem& p = query.problem;
+  const int64_t a = plan->alignment, eb = plan->element_bytes;
+  const int64_t Cp = plan->columns_padded, pixels = p.P * p.Q;
+  if (p.K % a || pixels % a || p.N >= (1 << 16) || !gemm_dimensions_fit({p.K, Cp, pixels}))
+    return false;
+  const int64_t cols_bytes = checked_product({p.N, Cp, pixels, eb});
+  const int64_t w_bytes = checked_product({p.K, Cp, eb});
+  BatchedGemm& g = plan->gemm;
+  g = BatchedGemm{};
+  g.batch_count = int(p.N);
+  switch (query.pass) {
+    case ConvPass::kForward:
+      g.kernel = GemmKernel::kFprop;
+      g.tile = p.K <= 64 ? TileClass::kNarrow : TileClass::kWide;
+      g.M = int(p.K), g.N = int(pixels), g.K = int(Cp);
+      g.lda = Cp, g.ldb = pixels, g.ldd = pixels;
+      g.batch_stride_a = 0, g.batch_stride_b = Cp * pixels, g.batch_stride_d = p.K * pixels;
+      if (!lay_out_scratch(plan, {cols_bytes, w_bytes, checked_product({p.K, pixels, eb})}))
+        return false;
+      break;
+    case ConvPass::kBackwardData:
+      g.kernel = GemmKernel::kDgrad;
+      g.tile = Cp <= 64 ? TileClass::kNarrow : TileClass::kWide;
+      g.M = int(Cp), g.N = int(pixels), g.K = int(p.K);
+      g.lda = Cp, g.ldb = pixels, g.ldd = pixels;
+      g.batch_stride_a = 0, g.batch_stride_b = p.K * pixels, g.batch_stride_d = Cp * pixels;
+      if (!lay_out_scratch(plan, {w_bytes, cols_bytes})) return false;
+      break;
+    case ConvPass::kBackwardWeight:
+    default:
+      g.kernel = GemmKernel::kWgrad;
+      g.tile = TileClass::kNarrow;
+      g.M = int(p.K), g.N = int(Cp), g.K = int(pixels);
+      g.lda = pixels, g.ldb = pixels, g.ldd = Cp;
+      g.batch_stride_a = p.K * pixels, g.batch_stride_b = Cp * pixels, g.batch_stride_d = p.K * Cp;
+      if (p.N * output_tiles(plan->math, g) < kMinGemmWgradBlocks) return false;
+      if (!lay_out_scratch(plan, {cols_bytes, checked_product({p.N, p.K, Cp, 4})})) return false;
+      break;
+  }
+  if (!can_implement(plan->math, g)) return false;
+  plan->channel_major = true;
+  plan->route = Route::kIm2col;
+  return true;
+}
+
 // Few input channels (3-channel stems: C padded to the access width is a fraction of the
 // kernels' 128-byte K tile, which the implicit GEMM would fill with zeros tap by tap): an explicit
 // im2col into [N*P*Q][R*S*C padded] in the scratch, then a 1x1 problem on the tensor cores; dgrad
@@ -389,6 +446,7 @@ bool plan_im2col(const ConvQuery& query, Plan* plan) {
   if (cols_bytes > 4 * (x_bytes + y_bytes)) return false;
   plan->groups = 1, plan->Cg = p.C, plan->Kg = p.K, plan->Cgp = Cp, plan->Kgp = Kp;
   plan->columns = columns, plan->columns_padded = Cp;
+  if (p.layout == ConvLayout::kNCHW && plan_im2col_gemm(query, plan)) return true;
   plan->y_in_place = p.layout == ConvLayout::kNHWC && Kp == p.K;
   const int64_t y_region = plan->y_in_place ? 0 : y_padded;
   NhwcConv& c = plan->conv;
@@ -815,28 +873,51 @@ ffi::Error launch_wgrad_reduce(cudaStream_t stream, ConvDtype dtype, const float
 // ---- im2col route (plan_im2col) ------------------------------------------------------------------
 
 // columns[(n, p, q)][(r * S + s) * C + c] = x at (n, c, input_row(p, r), input_col(q, s)), zero
-// outside the input and past the R*S*C columns (up to the padded width); x NCHW or NHWC. One
-// thread per (row, tap) copies the tap's C channels (tap R*S zero-fills the padding): index math
-// once per C elements, in 32 bits where the item count allows (Index).
+// outside the input and past the R*S*C columns (up to the padded width); x NCHW or NHWC.
+// Channel-major columns (plan.channel_major) hold the same values at [n][(r * S + s) * C + c][(p,
+// q)]. One thread per (row, tap) copies the tap's C channels (tap R*S zero-fills the padding):
+// index math once per C elements, in 32 bits where the item count allows (Index). Pixel-major,
+// the threads of a row are consecutive (its taps' channels lie side by side); channel-major,
+// those of a tap (consecutive threads write consecutive pixels).
+struct ColumnsLayout {
+  int64_t padded, pixels;  // pixels = P * Q
+  bool channel_major;
+  // Offset of element j of row (n, pixel), and the step from one column to the next.
+  __device__ __forceinline__ int64_t at(int64_t n, int64_t pixel, int64_t j) const {
+    return channel_major ? (n * padded + j) * pixels + pixel : (n * pixels + pixel) * padded + j;
+  }
+  __device__ __forceinline__ int64_t step() const { return channel_major ? pixels : 1; }
+};
+
 template <class Bits, class Index>
 __global__ void __launch_bounds__(kLayoutThreads)
-    im2col_kernel(const Bits* x, Bits* columns, ConvProblem p, int64_t padded, Index items) {
+    im2col_kernel(const Bits* x, Bits* columns, ConvProblem p, ColumnsLayout cl, Index items) {
   const TensorStrides xs = p.input_strides();
-  const Index taps = Index(p.R * p.S), S = Index(p.S), Q = Index(p.Q), P = Index(p.P);
+  const Index taps = Index(p.R * p.S), S = Index(p.S), Q = Index(p.Q), pixels = Index(p.P * p.Q);
   const int C = int(p.C);
+  const int64_t step = cl.step();
   const Index stride = Index(gridDim.x) * blockDim.x;
   for (Index idx = Index(blockIdx.x) * blockDim.x + threadIdx.x; idx < items; idx += stride) {
-    const Index tap = idx % (taps + 1), row = idx / (taps + 1);
-    Bits* out = columns + int64_t(row) * padded + int64_t(tap) * C;
+    Index tap, n, pixel;
+    if (cl.channel_major) {
+      pixel = idx % pixels;
+      const Index rest = idx / pixels;
+      tap = rest % (taps + 1), n = rest / (taps + 1);
+    } else {
+      tap = idx % (taps + 1);
+      const Index row = idx / (taps + 1);
+      pixel = row % pixels, n = row / pixels;
+    }
     if (tap == taps) {  // the padding columns of this row
-      for (int64_t j = int64_t(taps) * C; j < padded; ++j) columns[int64_t(row) * padded + j] = 0;
+      for (int64_t j = int64_t(taps) * C; j < cl.padded; ++j) columns[cl.at(n, pixel, j)] = 0;
       continue;
     }
-    const Index q = row % Q, np = row / Q;
-    const int64_t h = p.input_row(np % P, tap / S), w = p.input_col(q, tap % S);
+    Bits* out = columns + cl.at(n, pixel, int64_t(tap) * C);
+    const Index q = pixel % Q, pp = pixel / Q;
+    const int64_t h = p.input_row(pp, tap / S), w = p.input_col(q, tap % S);
     const bool inside = h >= 0 && h < p.H && w >= 0 && w < p.W;
-    const Bits* in = x + (inside ? xs.at(np / P, 0, h, w) : 0);
-    for (int c = 0; c < C; ++c) out[c] = inside ? in[c * xs.b] : Bits(0);
+    const Bits* in = x + (inside ? xs.at(n, 0, h, w) : 0);
+    for (int c = 0; c < C; ++c) out[c * step] = inside ? in[c * xs.b] : Bits(0);
   }
 }
 
@@ -846,11 +927,12 @@ __global__ void __launch_bounds__(kLayoutThreads)
 // with dilation 1 those are every stride-th tap from the first, found without a search.
 template <class T, class Index>
 __global__ void __launch_bounds__(kLayoutThreads)
-    col2im_kernel(const T* dcolumns, T* dx, ConvProblem p, int64_t padded, Index pixels) {
+    col2im_kernel(const T* dcolumns, T* dx, ConvProblem p, ColumnsLayout cl, Index pixels) {
   constexpr int kMaxC = 8;
   const TensorStrides xs = p.input_strides();
   const Index W = Index(p.W), H = Index(p.H);
   const int C = int(p.C);
+  const int64_t step = cl.step();
   const Index stride = Index(gridDim.x) * blockDim.x;
   for (Index idx = Index(blockIdx.x) * blockDim.x + threadIdx.x; idx < pixels; idx += stride) {
     const Index w = idx % W, nh = idx / W, h = nh % H, n = nh / H;
@@ -870,9 +952,8 @@ __global__ void __launch_bounds__(kLayoutThreads)
         const int64_t v = v0 - s * p.dilation_w;
         if (v < 0) break;
         if (v % p.stride_w != 0 || v / p.stride_w >= p.Q) continue;
-        const T* in = dcolumns + ((int64_t(n) * p.P + u / p.stride_h) * p.Q + v / p.stride_w) *
-                                     padded + (r * p.S + s) * C;
-        for (int c = 0; c < C; ++c) sum[c] += to_acc(in[c]);
+        const T* in = dcolumns + cl.at(n, u / p.stride_h * p.Q + v / p.stride_w, (r * p.S + s) * C);
+        for (int c = 0; c < C; ++c) sum[c] += to_acc(in[c * step]);
       }
     }
     for (int c = 0; c < C; ++c) dx[xs.at(n, c, h, w)] = from_acc<T>(sum[c]);
@@ -881,39 +962,39 @@ __global__ void __launch_bounds__(kLayoutThreads)
 
 template <class Bits>
 ffi::Error launch_im2col(cudaStream_t stream, const ConvProblem& p, const void* x, void* columns,
-                         int64_t padded) {
+                         const ColumnsLayout& cl) {
   const int64_t items = p.N * p.P * p.Q * (p.R * p.S + 1);
   const unsigned blocks = grid_blocks(items, kLayoutThreads);
   auto* in = static_cast<const Bits*>(x);
   auto* out = static_cast<Bits*>(columns);
   if (items + int64_t(blocks) * kLayoutThreads <= int64_t(UINT32_MAX))
-    im2col_kernel<Bits, uint32_t><<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, padded,
+    im2col_kernel<Bits, uint32_t><<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, cl,
                                                                         uint32_t(items));
   else
-    im2col_kernel<Bits, int64_t><<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, padded, items);
+    im2col_kernel<Bits, int64_t><<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, cl, items);
   return launch_status("conv2d (im2col)");
 }
 
 template <class T>
 void col2im(cudaStream_t stream, const ConvProblem& p, const void* dcolumns, void* dx,
-            int64_t padded) {
+            const ColumnsLayout& cl) {
   const int64_t pixels = p.N * p.H * p.W;
   const unsigned blocks = grid_blocks(pixels, kLayoutThreads);
   auto* in = static_cast<const T*>(dcolumns);
   auto* out = static_cast<T*>(dx);
   if (pixels + int64_t(blocks) * kLayoutThreads <= int64_t(UINT32_MAX))
-    col2im_kernel<T, uint32_t><<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, padded,
+    col2im_kernel<T, uint32_t><<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, cl,
                                                                      uint32_t(pixels));
   else
-    col2im_kernel<T, int64_t><<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, padded, pixels);
+    col2im_kernel<T, int64_t><<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, cl, pixels);
 }
 
 ffi::Error launch_col2im(cudaStream_t stream, ConvDtype dtype, const ConvProblem& p,
-                         const void* dcolumns, void* dx, int64_t padded) {
+                         const void* dcolumns, void* dx, const ColumnsLayout& cl) {
   switch (dtype) {
-    case ConvDtype::kFloat16: col2im<float16>(stream, p, dcolumns, dx, padded); break;
-    case ConvDtype::kBFloat16: col2im<bfloat16>(stream, p, dcolumns, dx, padded); break;
-    default: col2im<float>(stream, p, dcolumns, dx, padded); break;
+    case ConvDtype::kFloat16: col2im<float16>(stream, p, dcolumns, dx, cl); break;
+    case ConvDtype::kBFloat16: col2im<bfloat16>(stream, p, dcolumns, dx, cl); break;
+    default: col2im<float>(stream, p, dcolumns, dx, cl); break;
   }
   return launch_status("conv2d (col2im)");
 }
@@ -1101,20 +1182,94 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
 // The im2col route: columns in (im2col of x; dy to [rows][Kp] unless used in place), the 1x1
 // problem on the tensor cores, then y out (unless in place), dx back through col2im, or dw
 // through the split-K reduction.
+// The im2col route's weights as the 1x1 problem's [Kp][Cp] (its columns in im2col order).
+template <class Bits>
+WeightJob<Bits> im2col_weights(const ConvProblem& p, const Plan& plan, const void* w) {
+  WeightJob<Bits> weights{};
+  weights.w = static_cast<const Bits*>(w);
+  weights.Kg = p.K, weights.Cg = plan.columns, weights.R = weights.S = 1;
+  weights.Kgp = plan.Kgp, weights.Cgp = plan.columns_padded;
+  weights.hwio = p.layout == ConvLayout::kNHWC, weights.groups = 1;
+  weights.flat_R = p.R, weights.flat_S = p.S, weights.flat_C = p.C;
+  weights.weight_count = plan.Kgp * plan.columns_padded;
+  return weights;
+}
+
+// The im2col route through the batched GEMM on NCHW tensors (plan_im2col_gemm): channel-major
+// columns in, y and dy read and written in place, dx back through col2im, dw through the
+// per-image partials' reduction.
+template <class Bits>
+ffi::Error run_im2col_gemm_route(cudaStream_t stream, const ConvQuery& query, const Plan& plan,
+                                 const void* a, const void* b, const void* bias, void* out,
+                                 char* base, unsigned steps) {
+  const ConvProblem& p = query.problem;
+  const int64_t Cp = plan.columns_padded, pixels = p.P * p.Q;
+  const ColumnsLayout cl{Cp, pixels, true};
+  BatchedGemm g = plan.gemm;
+  WeightJob<Bits> weights = im2col_weights<Bits>(p, plan, b);
+  switch (query.pass) {
+    case ConvPass::kForward: {
+      char* columns = region(base, plan, 0);
+      weights.out = reinterpret_cast<Bits*>(region(base, plan, 1));
+      Bits* bias_matrix = reinterpret_cast<Bits*>(region(base, plan, 2));
+      if (has(steps, kImplicitGemmLayoutIn)) {
+        if (ffi::Error e = launch_layout<Bits>(stream, {}, &weights); e.failure()) return e;
+        if (ffi::Error e = launch_im2col<Bits>(stream, p, a, columns, cl); e.failure()) return e;
+        if (bias != nullptr) {
+          broadcast_bias_kernel<Bits><<<grid_blocks(p.K * pixels, kLayoutThreads), kLayoutThreads,
+                                        0, stream>>>(static_cast<const Bits*>(bias), bias_matrix,
+                                                     pixels, p.K * pixels);
+          if (ffi::Error e = launch_status("conv2d (bias)"); e.failure()) return e;
+        }
+      }
+      g.a = weights.out, g.b = columns, g.d = out;
+      g.c = bias != nullptr ? bias_matrix : nullptr;
+      return has(steps, kImplicitGemmCutlass) ? run(plan.math, g, stream) : ffi::Error::Success();
+    }
+    case ConvPass::kBackwardData: {
+      weights.out = reinterpret_cast<Bits*>(region(base, plan, 0));
+      char* dcolumns = region(base, plan, 1);
+      if (has(steps, kImplicitGemmLayoutIn))
+        if (ffi::Error e = launch_layout<Bits>(stream, {}, &weights); e.failure()) return e;
+      g.a = weights.out, g.b = a, g.d = dcolumns;
+      if (has(steps, kImplicitGemmCutlass))
+        if (ffi::Error e = run(plan.math, g, stream); e.failure()) return e;
+      if (!has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
+      return launch_col2im(stream, query.dtype, p, dcolumns, out, cl);
+    }
+    case ConvPass::kBackwardWeight:
+    default: {
+      char* columns = region(base, plan, 0);
+      float* partials = reinterpret_cast<float*>(region(base, plan, 1));
+      if (has(steps, kImplicitGemmLayoutIn))
+        if (ffi::Error e = launch_im2col<Bits>(stream, p, b, columns, cl); e.failure()) return e;
+      g.a = a, g.b = columns, g.d = partials;
+      if (has(steps, kImplicitGemmCutlass))
+        if (ffi::Error e = run(plan.math, g, stream); e.failure()) return e;
+      if (!has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
+      WgradReduction r{};
+      r.Kg = p.K, r.Cg = plan.columns, r.R = r.S = 1, r.Cgp = Cp;
+      r.hwio = false, r.groups = 1;
+      r.flat_R = p.R, r.flat_S = p.S, r.flat_C = p.C;
+      r.quads = p.K * ceil_div(plan.columns, 4);
+      r.slices = p.N, r.slice_stride = p.K * Cp, r.group_stride = 0;
+      return launch_wgrad_reduce(stream, query.dtype, partials, out, r);
+    }
+  }
+}
+
 template <class Bits>
 ffi::Error run_im2col_route(cudaStream_t stream, const ConvQuery& query, const Plan& plan,
                             const void* a, const void* b, const void* bias, void* out, char* base,
                             unsigned steps) {
+  if (plan.channel_major)
+    return run_im2col_gemm_route<Bits>(stream, query, plan, a, b, bias, out, base, steps);
   const ConvProblem& p = query.problem;
   const bool hwio = p.layout == ConvLayout::kNHWC;
   const int64_t Kp = plan.Kgp, Cp = plan.columns_padded, rows = p.N * p.P * p.Q;
+  const ColumnsLayout cl{Cp, p.P * p.Q, false};
   NhwcConv c = plan.conv;
-  WeightJob<Bits> weights{};
-  weights.w = static_cast<const Bits*>(b);
-  weights.Kg = p.K, weights.Cg = plan.columns, weights.R = weights.S = 1;
-  weights.Kgp = Kp, weights.Cgp = Cp, weights.hwio = hwio, weights.groups = 1;
-  weights.flat_R = p.R, weights.flat_S = p.S, weights.flat_C = p.C;
-  weights.weight_count = Kp * Cp;
+  WeightJob<Bits> weights = im2col_weights<Bits>(p, plan, b);
   // dy (dgrad, wgrad) as [rows][Kp]: in place when channels last and aligned, else copied.
   auto dy_rows = [&](char* region) -> ffi::Error {
     if (plan.y_in_place) return ffi::Error::Success();
@@ -1136,7 +1291,7 @@ ffi::Error run_im2col_route(cudaStream_t stream, const ConvQuery& query, const P
       }
       if (has(steps, kImplicitGemmLayoutIn)) {
         if (ffi::Error e = launch_layout<Bits>(stream, {}, &weights); e.failure()) return e;
-        if (ffi::Error e = launch_im2col<Bits>(stream, p, a, columns, Cp); e.failure()) return e;
+        if (ffi::Error e = launch_im2col<Bits>(stream, p, a, columns, cl); e.failure()) return e;
       }
       if (has(steps, kImplicitGemmCutlass)) {
         c.a = columns, c.b = weights.out, c.d = y_rows;
@@ -1164,7 +1319,7 @@ ffi::Error run_im2col_route(cudaStream_t stream, const ConvQuery& query, const P
         if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
       }
       if (!has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
-      return launch_col2im(stream, query.dtype, p, dcolumns, out, Cp);
+      return launch_col2im(stream, query.dtype, p, dcolumns, out, cl);
     }
     case ConvPass::kBackwardWeight:
     default: {
@@ -1174,7 +1329,7 @@ ffi::Error run_im2col_route(cudaStream_t stream, const ConvQuery& query, const P
       float* partials = reinterpret_cast<float*>(region(base, plan, 2));
       if (has(steps, kImplicitGemmLayoutIn)) {
         if (ffi::Error e = dy_rows(dy); e.failure()) return e;
-        if (ffi::Error e = launch_im2col<Bits>(stream, p, b, columns, Cp); e.failure()) return e;
+        if (ffi::Error e = launch_im2col<Bits>(stream, p, b, columns, cl); e.failure()) return e;
       }
       if (has(steps, kImplicitGemmCutlass)) {
         c.a = dy, c.b = columns, c.d = partials;
@@ -1247,13 +1402,42 @@ bool implicit_gemm_layout_info(const ConvQuery& query, bool with_bias,
     std::snprintf(what, sizeof what, "%s", text.c_str());
   };
   info->nhwc_route = plan.route == Route::kNhwc;
-  info->sm90 = plan.route != Route::kGemm && plan.conv.sm90;
+  info->sm90 = plan.route != Route::kGemm && !plan.channel_major && plan.conv.sm90;
+  if (plan.route == Route::kIm2col && plan.channel_major) {  // NCHW through the batched GEMM
+    const int64_t columns = p.N * p.P * p.Q * plan.columns_padded;
+    const int64_t w_padded = p.K * plan.columns_padded;
+    switch (query.pass) {
+      case ConvPass::kForward:
+        info->in_launches = with_bias ? 3 : 2;
+        info->in_bytes = (x_count + columns + w_count + w_padded) * eb;
+        if (with_bias) info->in_bytes += (p.K + p.K * p.P * p.Q) * eb;
+        say(info->in_what, with_bias ? "weights + im2col of x + bias broadcast" : "weights + im2col of x");
+        break;
+      case ConvPass::kBackwardData:
+        info->in_launches = info->out_launches = 1;
+        info->in_bytes = (w_count + w_padded) * eb;
+        info->out_bytes = (columns + x_count) * eb;
+        say(info->in_what, "weights");
+        say(info->out_what, "col2im of dcolumns");
+        break;
+      case ConvPass::kBackwardWeight:
+      default:
+        info->in_launches = info->out_launches = 1;
+        info->in_bytes = (x_count + columns) * eb;
+        info->out_bytes = p.N * p.K * plan.columns_padded * 4 + w_count * eb;
+        say(info->in_what, "im2col of x");
+        say(info->out_what, "reduction of " + std::to_string(p.N) + " per-image partials");
+        break;
+    }
+    return true;
+  }
   if (plan.route == Route::kIm2col) {  // columns in (and dy unless in place), y/dx/dw out
     const int64_t columns = p.N * p.P * p.Q * plan.columns_padded;
     const int64_t dy_copy = plan.y_in_place ? 0 : y_count + p.N * p.P * p.Q * plan.Kgp;
     info->in_launches = info->out_launches = 1;
     switch (query.pass) {
       case ConvPass::kForward:
+        info->in_launches = 2;  // the weights, then im2col
         info->in_bytes = (x_count + columns + 2 * w_count) * eb;
         info->out_bytes = plan.y_in_place ? 0 : (y_count + p.N * p.P * p.Q * plan.Kgp) * eb;
         info->out_launches = plan.y_in_place ? 0 : 1;

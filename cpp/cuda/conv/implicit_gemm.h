@@ -51,7 +51,7 @@ ffi::Error implicit_gemm_steps(cudaStream_t stream, const ConvQuery& query, cons
 struct ImplicitGemmLayoutInfo {
   bool nhwc_route = false;  // false: the GEMM route (1x1, stride 1, NCHW used as is)
   bool sm90 = false;        // the CUTLASS step runs the Hopper (sm_90a) kernel
-  int in_launches = 0, out_launches = 0;  // kernel launches of each layout step (0 or 1)
+  int in_launches = 0, out_launches = 0;  // kernel launches of each layout step
   // Bytes the layout kernels of each step read plus write (each element once, zero padding
   // included where it is written), to compare with a device-to-device copy of as many bytes.
   int64_t in_bytes = 0, out_bytes = 0;
