@@ -36,4 +36,15 @@ struct GridStride {
   __device__ __forceinline__ Index next(Index i) const { return next_index(i, step, end); }
 };
 
+// Calls f(int32_t{}) where `narrow` (every index of the launch below 2^31, so GridStride may run
+// in 32 bits) or f(int64_t{}): the kernel's index type, chosen once per launch.
+template <class F>
+void with_index(bool narrow, F&& f) {
+  if (narrow) {
+    f(int32_t{});
+  } else {
+    f(int64_t{});
+  }
+}
+
 }  // namespace jax_kernels

@@ -47,6 +47,7 @@
 #include <type_traits>
 
 #include "conv/implicit_gemm_kernels.h"
+#include "common/grid_stride.cuh"
 #include "common/launch.h"
 #include "common/scratch.h"
 #include "common/status.h"
@@ -876,7 +877,8 @@ ffi::Error launch_wgrad_reduce(cudaStream_t stream, ConvDtype dtype, const float
 // outside the input and past the R*S*C columns (up to the padded width); x NCHW or NHWC.
 // Channel-major columns (plan.channel_major) hold the same values at [n][(r * S + s) * C + c][(p,
 // q)]. One thread per (row, tap) copies the tap's C channels (tap R*S zero-fills the padding):
-// index math once per C elements, in 32 bits where the item count allows (Index). Pixel-major,
+// index math once per C elements, in 32 bits where the item count is below 2^31 (Index, with
+// GridStride's clamped steps). Pixel-major,
 // the threads of a row are consecutive (its taps' channels lie side by side); channel-major,
 // those of a tap (consecutive threads write consecutive pixels).
 struct ColumnsLayout {
@@ -896,8 +898,8 @@ __global__ void __launch_bounds__(kLayoutThreads)
   const Index taps = Index(p.R * p.S), S = Index(p.S), Q = Index(p.Q), pixels = Index(p.P * p.Q);
   const int C = int(p.C);
   const int64_t step = cl.step();
-  const Index stride = Index(gridDim.x) * blockDim.x;
-  for (Index idx = Index(blockIdx.x) * blockDim.x + threadIdx.x; idx < items; idx += stride) {
+  const GridStride<Index> loop(items, blockDim.x, threadIdx.x);
+  for (Index idx = loop.first; idx < items; idx = loop.next(idx)) {
     Index tap, n, pixel;
     if (cl.channel_major) {
       pixel = idx % pixels;
@@ -933,8 +935,8 @@ __global__ void __launch_bounds__(kLayoutThreads)
   const Index W = Index(p.W), H = Index(p.H);
   const int C = int(p.C);
   const int64_t step = cl.step();
-  const Index stride = Index(gridDim.x) * blockDim.x;
-  for (Index idx = Index(blockIdx.x) * blockDim.x + threadIdx.x; idx < pixels; idx += stride) {
+  const GridStride<Index> loop(pixels, blockDim.x, threadIdx.x);
+  for (Index idx = loop.first; idx < pixels; idx = loop.next(idx)) {
     const Index w = idx % W, nh = idx / W, h = nh % H, n = nh / H;
     acc_t<T> sum[kMaxC];
     for (int c = 0; c < kMaxC; ++c) sum[c] = 0;
@@ -967,11 +969,10 @@ ffi::Error launch_im2col(cudaStream_t stream, const ConvProblem& p, const void* 
   const unsigned blocks = grid_blocks(items, kLayoutThreads);
   auto* in = static_cast<const Bits*>(x);
   auto* out = static_cast<Bits*>(columns);
-  if (items + int64_t(blocks) * kLayoutThreads <= int64_t(UINT32_MAX))
-    im2col_kernel<Bits, uint32_t><<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, cl,
-                                                                        uint32_t(items));
-  else
-    im2col_kernel<Bits, int64_t><<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, cl, items);
+  with_index(items < (int64_t(1) << 31), [&](auto index) {
+    using Index = decltype(index);
+    im2col_kernel<Bits, Index><<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, cl, Index(items));
+  });
   return launch_status("conv2d (im2col)");
 }
 
@@ -982,11 +983,10 @@ void col2im(cudaStream_t stream, const ConvProblem& p, const void* dcolumns, voi
   const unsigned blocks = grid_blocks(pixels, kLayoutThreads);
   auto* in = static_cast<const T*>(dcolumns);
   auto* out = static_cast<T*>(dx);
-  if (pixels + int64_t(blocks) * kLayoutThreads <= int64_t(UINT32_MAX))
-    col2im_kernel<T, uint32_t><<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, cl,
-                                                                     uint32_t(pixels));
-  else
-    col2im_kernel<T, int64_t><<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, cl, pixels);
+  with_index(pixels < (int64_t(1) << 31), [&](auto index) {
+    using Index = decltype(index);
+    col2im_kernel<T, Index><<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, cl, Index(pixels));
+  });
 }
 
 ffi::Error launch_col2im(cudaStream_t stream, ConvDtype dtype, const ConvProblem& p,

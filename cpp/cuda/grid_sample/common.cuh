@@ -312,15 +312,5 @@ inline bool fits_32_bits(const GridSampleCall& call, std::initializer_list<int64
   return fits;
 }
 
-// Calls f(int32_t{}) or f(int64_t{}).
-template <class F>
-void with_index(bool narrow, F&& f) {
-  if (narrow) {
-    f(int32_t{});
-  } else {
-    f(int64_t{});
-  }
-}
-
 }  // namespace grid_sample_cuda
 }  // namespace jax_kernels
