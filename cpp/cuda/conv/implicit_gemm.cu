@@ -877,31 +877,44 @@ ffi::Error launch_wgrad_reduce(cudaStream_t stream, ConvDtype dtype, const float
 // outside the input and past the R*S*C columns (up to the padded width); x NCHW or NHWC.
 // Channel-major columns (plan.channel_major) hold the same values at [n][(r * S + s) * C + c][(p,
 // q)]. One thread per (row, tap) copies the tap's C channels (tap R*S zero-fills the padding):
-// index math once per C elements, in 32 bits where the item count is below 2^31 (Index, with
-// GridStride's clamped steps). Pixel-major,
+// index math once per C elements, unsigned 32-bit where the item count allows (Index: cheaper
+// divisions than signed or 64-bit ones; GridStride's clamped steps). Pixel-major,
 // the threads of a row are consecutive (its taps' channels lie side by side); channel-major,
 // those of a tap (consecutive threads write consecutive pixels).
 struct ColumnsLayout {
   int64_t padded, pixels;  // pixels = P * Q
   bool channel_major;
-  // Offset of element j of row (n, pixel), and the step from one column to the next.
-  __device__ __forceinline__ int64_t at(int64_t n, int64_t pixel, int64_t j) const {
-    return channel_major ? (n * padded + j) * pixels + pixel : (n * pixels + pixel) * padded + j;
-  }
-  __device__ __forceinline__ int64_t step() const { return channel_major ? pixels : 1; }
 };
 
-template <class Bits, class Index>
+// Offset of element j of row (n, pixel), and the step from one column to the next.
+template <bool kChannelMajor>
+__device__ __forceinline__ int64_t column_at(const ColumnsLayout& cl, int64_t n, int64_t pixel,
+                                             int64_t j) {
+  return kChannelMajor ? (n * cl.padded + j) * cl.pixels + pixel
+                       : (n * cl.pixels + pixel) * cl.padded + j;
+}
+
+// Unsigned 32-bit indices (cheaper divisions) below 2^32 items, GridStride's clamped steps.
+template <class F>
+void with_unsigned_index(int64_t items, F&& f) {
+  if (items <= int64_t(UINT32_MAX)) {
+    f(uint32_t{});
+  } else {
+    f(uint64_t{});
+  }
+}
+
+template <class Bits, class Index, bool kChannelMajor>
 __global__ void __launch_bounds__(kLayoutThreads)
     im2col_kernel(const Bits* x, Bits* columns, ConvProblem p, ColumnsLayout cl, Index items) {
   const TensorStrides xs = p.input_strides();
   const Index taps = Index(p.R * p.S), S = Index(p.S), Q = Index(p.Q), pixels = Index(p.P * p.Q);
   const int C = int(p.C);
-  const int64_t step = cl.step();
+  const int64_t step = kChannelMajor ? cl.pixels : 1;
   const GridStride<Index> loop(items, blockDim.x, threadIdx.x);
   for (Index idx = loop.first; idx < items; idx = loop.next(idx)) {
     Index tap, n, pixel;
-    if (cl.channel_major) {
+    if (kChannelMajor) {
       pixel = idx % pixels;
       const Index rest = idx / pixels;
       tap = rest % (taps + 1), n = rest / (taps + 1);
@@ -911,10 +924,11 @@ __global__ void __launch_bounds__(kLayoutThreads)
       pixel = row % pixels, n = row / pixels;
     }
     if (tap == taps) {  // the padding columns of this row
-      for (int64_t j = int64_t(taps) * C; j < cl.padded; ++j) columns[cl.at(n, pixel, j)] = 0;
+      for (int64_t j = int64_t(taps) * C; j < cl.padded; ++j)
+        columns[column_at<kChannelMajor>(cl, n, pixel, j)] = 0;
       continue;
     }
-    Bits* out = columns + cl.at(n, pixel, int64_t(tap) * C);
+    Bits* out = columns + column_at<kChannelMajor>(cl, n, pixel, int64_t(tap) * C);
     const Index q = pixel % Q, pp = pixel / Q;
     const int64_t h = p.input_row(pp, tap / S), w = p.input_col(q, tap % S);
     const bool inside = h >= 0 && h < p.H && w >= 0 && w < p.W;
@@ -927,14 +941,14 @@ __global__ void __launch_bounds__(kLayoutThreads)
 // * C + c], in tap order: the transpose of im2col as a gather (no atomics, fixed order). One
 // thread per input pixel sums its C channels (C <= 8 on this route) over the taps that reach it:
 // with dilation 1 those are every stride-th tap from the first, found without a search.
-template <class T, class Index>
+template <class T, class Index, bool kChannelMajor>
 __global__ void __launch_bounds__(kLayoutThreads)
     col2im_kernel(const T* dcolumns, T* dx, ConvProblem p, ColumnsLayout cl, Index pixels) {
   constexpr int kMaxC = 8;
   const TensorStrides xs = p.input_strides();
   const Index W = Index(p.W), H = Index(p.H);
   const int C = int(p.C);
-  const int64_t step = cl.step();
+  const int64_t step = kChannelMajor ? cl.pixels : 1;
   const GridStride<Index> loop(pixels, blockDim.x, threadIdx.x);
   for (Index idx = loop.first; idx < pixels; idx = loop.next(idx)) {
     const Index w = idx % W, nh = idx / W, h = nh % H, n = nh / H;
@@ -954,7 +968,8 @@ __global__ void __launch_bounds__(kLayoutThreads)
         const int64_t v = v0 - s * p.dilation_w;
         if (v < 0) break;
         if (v % p.stride_w != 0 || v / p.stride_w >= p.Q) continue;
-        const T* in = dcolumns + cl.at(n, u / p.stride_h * p.Q + v / p.stride_w, (r * p.S + s) * C);
+        const T* in = dcolumns + column_at<kChannelMajor>(cl, n, u / p.stride_h * p.Q +
+                                                          v / p.stride_w, (r * p.S + s) * C);
         for (int c = 0; c < C; ++c) sum[c] += to_acc(in[c * step]);
       }
     }
@@ -969,9 +984,14 @@ ffi::Error launch_im2col(cudaStream_t stream, const ConvProblem& p, const void* 
   const unsigned blocks = grid_blocks(items, kLayoutThreads);
   auto* in = static_cast<const Bits*>(x);
   auto* out = static_cast<Bits*>(columns);
-  with_index(items < (int64_t(1) << 31), [&](auto index) {
+  with_unsigned_index(items, [&](auto index) {
     using Index = decltype(index);
-    im2col_kernel<Bits, Index><<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, cl, Index(items));
+    if (cl.channel_major)
+      im2col_kernel<Bits, Index, true>
+          <<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, cl, Index(items));
+    else
+      im2col_kernel<Bits, Index, false>
+          <<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, cl, Index(items));
   });
   return launch_status("conv2d (im2col)");
 }
@@ -983,9 +1003,14 @@ void col2im(cudaStream_t stream, const ConvProblem& p, const void* dcolumns, voi
   const unsigned blocks = grid_blocks(pixels, kLayoutThreads);
   auto* in = static_cast<const T*>(dcolumns);
   auto* out = static_cast<T*>(dx);
-  with_index(pixels < (int64_t(1) << 31), [&](auto index) {
+  with_unsigned_index(pixels, [&](auto index) {
     using Index = decltype(index);
-    col2im_kernel<T, Index><<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, cl, Index(pixels));
+    if (cl.channel_major)
+      col2im_kernel<T, Index, true>
+          <<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, cl, Index(pixels));
+    else
+      col2im_kernel<T, Index, false>
+          <<<blocks, kLayoutThreads, 0, stream>>>(in, out, p, cl, Index(pixels));
   });
 }
 
