@@ -177,10 +177,18 @@ def test_unbatched_input_and_empty_batch():
     assert_close(dw, expected[2], jnp.float64)
 
     empty = jnp.zeros((0, 3, 8, 9), jnp.float32)
-    w32 = w.astype(jnp.float32)
+    w32, b32 = w.astype(jnp.float32), random(10, (4,), jnp.float32)
     assert jk.conv2d(empty, w32).shape == (0, 4, 6, 7)
-    dw = jax.grad(lambda w: jnp.sum(jk.conv2d(empty, w)))(w32)
+    dw, db = jax.grad(lambda w, b: jnp.sum(jk.conv2d(empty, w, b)), argnums=(0, 1))(w32, b32)
     np.testing.assert_array_equal(np.asarray(dw), 0)
+    np.testing.assert_array_equal(np.asarray(db), 0)  # an empty sum: zeros, written
+    for data_format, dy in (("NCHW", jnp.full((0, 4, 6, 7), jnp.nan, jnp.float32)),
+                            ("NHWC", jnp.full((0, 6, 7, 4), jnp.nan, jnp.float32))):
+        db = jax.jit(lambda dy: jax.vjp(lambda b: jk.conv2d(
+            jnp.moveaxis(empty, 1, -1) if data_format == "NHWC" else empty,
+            jnp.transpose(w32, (2, 3, 1, 0)) if data_format == "NHWC" else w32, b,
+            data_format=data_format), b32)[1](dy)[0])(dy)
+        np.testing.assert_array_equal(np.asarray(db), 0)
 
 
 # --- batching --------------------------------------------------------------------------------

@@ -272,7 +272,10 @@ ffi::Error run_bias_gradient(cudaStream_t stream, ConvLayout layout, const T* dy
   using A = acc_t<T>;
   const bool last = layout == ConvLayout::kNHWC;
   BiasPlan plan = plan_bias(last, batch, N, K, plane, int(sizeof(A)));
-  if (plan.blocks == 0) return ffi::Error::Success();  // db has no elements or is all zeros
+  if (batch * K == 0) return ffi::Error::Success();
+  if (plan.blocks == 0)  // no images or no output pixels: every sum is empty
+    return cuda_status("conv2d bias gradient",
+                       cudaMemsetAsync(db, 0, size_t(batch * K) * sizeof(T), stream));
   if (plan.chunks > 1 && (scratch == nullptr || scratch_bytes < plan.scratch_bytes)) {
     // No scratch (a program serialized before the bias gradient took some): one chunk per filter.
     plan.chunk = plan.terms, plan.chunks = 1, plan.blocks = batch * plan.tiles;
