@@ -888,7 +888,8 @@ struct ColumnsLayout {
   bool channel_major;
 };
 
-// Offset of element j of row (n, pixel), and the step from one column to the next.
+// Offset of element j (a column) of row (n, pixel); the kernels step from one channel of a tap
+// to the next by 1 (pixel-major) or P*Q (channel-major).
 template <bool kChannelMajor>
 __device__ __forceinline__ int64_t column_at(const ColumnsLayout& cl, int64_t n, int64_t pixel,
                                              int64_t j) {
