@@ -1032,6 +1032,16 @@ __global__ void __launch_bounds__(kLayoutThreads)
     out[idx] = bias[idx / pixels];
 }
 
+// The bias broadcast to the [K x pixels] matrix the batched GEMM's forward adds (its C operand).
+template <class Bits>
+ffi::Error launch_bias_matrix(cudaStream_t stream, const void* bias, void* matrix, int64_t K,
+                              int64_t pixels) {
+  broadcast_bias_kernel<Bits><<<grid_blocks(K * pixels, kLayoutThreads), kLayoutThreads, 0,
+                                stream>>>(static_cast<const Bits*>(bias),
+                                          static_cast<Bits*>(matrix), pixels, K * pixels);
+  return launch_status("conv2d (bias)");
+}
+
 char* region(char* base, const Plan& plan, int i) { return base + plan.offset[i]; }
 
 // ---- Running the routes -----------------------------------------------------------------------
@@ -1052,12 +1062,10 @@ ffi::Error run_gemm_route(cudaStream_t stream, const ConvQuery& query, const Pla
       g.a = b, g.b = a, g.d = out;
       if (bias != nullptr) {
         Bits* matrix = reinterpret_cast<Bits*>(region(base, plan, 0));
-        if (has(steps, kImplicitGemmLayoutIn)) {
-          broadcast_bias_kernel<Bits><<<grid_blocks(p.K * pixels, kLayoutThreads), kLayoutThreads,
-                                        0, stream>>>(static_cast<const Bits*>(bias), matrix, pixels,
-                                                     p.K * pixels);
-          if (ffi::Error e = launch_status("conv2d (bias)"); e.failure()) return e;
-        }
+        if (has(steps, kImplicitGemmLayoutIn))
+          if (ffi::Error e = launch_bias_matrix<Bits>(stream, bias, matrix, p.K, pixels);
+              e.failure())
+            return e;
         g.c = matrix;
       }
       return has(steps, kImplicitGemmCutlass) ? run(plan.math, g, stream) : ffi::Error::Success();
@@ -1202,9 +1210,6 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
   }
 }
 
-// The im2col route: columns in (im2col of x; dy to [rows][Kp] unless used in place), the 1x1
-// problem on the tensor cores, then y out (unless in place), dx back through col2im, or dw
-// through the split-K reduction.
 // The im2col route's weights as the 1x1 problem's [Kp][Cp] (its columns in im2col order).
 template <class Bits>
 WeightJob<Bits> im2col_weights(const ConvProblem& p, const Plan& plan, const void* w) {
@@ -1216,6 +1221,19 @@ WeightJob<Bits> im2col_weights(const ConvProblem& p, const Plan& plan, const voi
   weights.flat_R = p.R, weights.flat_S = p.S, weights.flat_C = p.C;
   weights.weight_count = plan.Kgp * plan.columns_padded;
   return weights;
+}
+
+// The im2col route's wgrad reduction: `slices` float32 partials [K][Cp] (`slice_stride` apart)
+// added in order into the weights' own taps.
+WgradReduction im2col_reduction(const ConvProblem& p, const Plan& plan, int64_t slices,
+                                int64_t slice_stride) {
+  WgradReduction r{};
+  r.Kg = p.K, r.Cg = plan.columns, r.R = r.S = 1, r.Cgp = plan.columns_padded;
+  r.hwio = p.layout == ConvLayout::kNHWC, r.groups = 1;
+  r.flat_R = p.R, r.flat_S = p.S, r.flat_C = p.C;
+  r.quads = p.K * ceil_div(plan.columns, 4);
+  r.slices = slices, r.slice_stride = slice_stride, r.group_stride = 0;
+  return r;
 }
 
 // The im2col route through the batched GEMM on NCHW tensors (plan_im2col_gemm): channel-major
@@ -1238,12 +1256,10 @@ ffi::Error run_im2col_gemm_route(cudaStream_t stream, const ConvQuery& query, co
       if (has(steps, kImplicitGemmLayoutIn)) {
         if (ffi::Error e = launch_layout<Bits>(stream, {}, &weights); e.failure()) return e;
         if (ffi::Error e = launch_im2col<Bits>(stream, p, a, columns, cl); e.failure()) return e;
-        if (bias != nullptr) {
-          broadcast_bias_kernel<Bits><<<grid_blocks(p.K * pixels, kLayoutThreads), kLayoutThreads,
-                                        0, stream>>>(static_cast<const Bits*>(bias), bias_matrix,
-                                                     pixels, p.K * pixels);
-          if (ffi::Error e = launch_status("conv2d (bias)"); e.failure()) return e;
-        }
+        if (bias != nullptr)
+          if (ffi::Error e = launch_bias_matrix<Bits>(stream, bias, bias_matrix, p.K, pixels);
+              e.failure())
+            return e;
       }
       g.a = weights.out, g.b = columns, g.d = out;
       g.c = bias != nullptr ? bias_matrix : nullptr;
@@ -1270,17 +1286,15 @@ ffi::Error run_im2col_gemm_route(cudaStream_t stream, const ConvQuery& query, co
       if (has(steps, kImplicitGemmCutlass))
         if (ffi::Error e = run(plan.math, g, stream); e.failure()) return e;
       if (!has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
-      WgradReduction r{};
-      r.Kg = p.K, r.Cg = plan.columns, r.R = r.S = 1, r.Cgp = Cp;
-      r.hwio = false, r.groups = 1;
-      r.flat_R = p.R, r.flat_S = p.S, r.flat_C = p.C;
-      r.quads = p.K * ceil_div(plan.columns, 4);
-      r.slices = p.N, r.slice_stride = p.K * Cp, r.group_stride = 0;
-      return launch_wgrad_reduce(stream, query.dtype, partials, out, r);
+      return launch_wgrad_reduce(stream, query.dtype, partials, out,
+                                 im2col_reduction(p, plan, p.N, p.K * Cp));
     }
   }
 }
 
+// The im2col route: columns in (im2col of x; dy to [rows][Kp] unless used in place), the 1x1
+// problem on the tensor cores, then y out (unless in place), dx back through col2im, or dw
+// through the split-K reduction (NCHW through the batched GEMM: run_im2col_gemm_route).
 template <class Bits>
 ffi::Error run_im2col_route(cudaStream_t stream, const ConvQuery& query, const Plan& plan,
                             const void* a, const void* b, const void* bias, void* out, char* base,
@@ -1359,13 +1373,8 @@ ffi::Error run_im2col_route(cudaStream_t stream, const ConvQuery& query, const P
         if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
       }
       if (!has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
-      WgradReduction r{};
-      r.Kg = p.K, r.Cg = plan.columns, r.R = r.S = 1, r.Cgp = Cp;
-      r.hwio = hwio, r.groups = 1;
-      r.flat_R = p.R, r.flat_S = p.S, r.flat_C = p.C;
-      r.quads = p.K * ceil_div(plan.columns, 4);
-      r.slices = c.split_k, r.slice_stride = Kp * Cp, r.group_stride = 0;
-      return launch_wgrad_reduce(stream, query.dtype, partials, out, r);
+      return launch_wgrad_reduce(stream, query.dtype, partials, out,
+                                 im2col_reduction(p, plan, c.split_k, Kp * Cp));
     }
   }
 }
