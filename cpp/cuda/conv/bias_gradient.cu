@@ -20,6 +20,7 @@
 #include "common/launch.h"
 #include "common/status.h"
 #include "conv/direct.h"
+#include "conv/tile_staging.cuh"
 #include "jax_kernels/conv.h"
 #include "jax_kernels/ffi_util.h"
 #include "jax_kernels/scalar.h"
@@ -28,6 +29,7 @@ namespace jax_kernels {
 namespace {
 
 constexpr int kBiasThreads = 256;
+static_assert(kBiasThreads <= kMaxThreads, "block_sum holds kMaxThreads / 32 warp sums");
 constexpr int kGranule = 8;
 // Granules a thread takes per chunk (independent loads in flight), and the most chunks a filter's
 // reduction is cut into (the second kernel's work per filter).
@@ -108,23 +110,6 @@ __device__ __forceinline__ void load_granule(const T* at, bool vector, acc_t<T> 
   }
 }
 
-// Sums v over the block in a fixed order (shuffle tree per warp, then the warps in order); the
-// total is valid in thread 0.
-template <class A>
-__device__ A block_total(A v) {
-  __shared__ A per_warp[kBiasThreads / 32];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
-  if (lane == 0) per_warp[warp] = v;
-  __syncthreads();
-  A total = per_warp[0];
-  if (threadIdx.x == 0)
-    for (int w = 1; w < kBiasThreads / 32; ++w) total += per_warp[w];
-  __syncthreads();
-  return total;
-}
-
 // Channels first: block (item, chunk) sums positions [chunk * plan.chunk, ...) of filter item's
 // N planes; granule g of the chunk goes to thread g % kBiasThreads.
 template <class T>
@@ -164,7 +149,9 @@ __global__ void __launch_bounds__(kBiasThreads)
       sums.counted(kGranule);
     }
     sums.flush();
-    const A total = block_total(sums.sum[0]);
+    __shared__ A block_total[1];
+    block_sum(sums.sum, block_total);  // tile_staging.cuh: fixed order (warps, then in order)
+    const A total = block_total[0];
     if (threadIdx.x == 0) {
       if (plan.chunks == 1) db[item] = from_acc<T>(total);
       else partial[chunk * items + item] = total;
