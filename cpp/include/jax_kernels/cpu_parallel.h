@@ -111,8 +111,7 @@ class ThreadPool {
   ~ThreadPool() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-      stop_flag_.store(true);
+      stop_.store(true);
     }
     wake_.notify_all();
     for (auto& worker : workers_) worker.join();
@@ -145,13 +144,13 @@ class ThreadPool {
       const std::function<void(int)>* task;
       FloatControl control;
       detail::spin_until(spin_us_, [&] {
-        return stop_flag_.load(std::memory_order_acquire) ||
+        return stop_.load(std::memory_order_acquire) ||
                generation_.load(std::memory_order_acquire) != seen;
       });
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return stop_ || generation_.load() != seen; });
-        if (stop_) return;
+        wake_.wait(lock, [&] { return stop_.load() || generation_.load() != seen; });
+        if (stop_.load()) return;
         seen = generation_.load();
         if (index >= chunks_) continue;
         task = task_;
@@ -180,8 +179,7 @@ class ThreadPool {
   std::atomic<int> pending_{0};            // written under mutex_; read by the spinning caller
   std::exception_ptr failure_;  // the first exception a worker's chunk threw
   std::atomic<uint64_t> generation_{0};    // written under mutex_; read by spinning workers
-  bool stop_ = false;
-  std::atomic<bool> stop_flag_{false};     // stop_, for spinning workers
+  std::atomic<bool> stop_{false};          // written under mutex_; read by spinning workers
   int64_t spin_us_;                        // how long waiting threads spin before they sleep
 };
 
