@@ -289,12 +289,13 @@ def _scatter_emit(dout, grid, *directions, attrs, maps, cells_shape):
 
     def scratch_bytes():
         points = int(np.prod(grid.shape[1:-1]))
+        spatial = _spatial(d_input.shape, attrs)
         nbytes = _ffi.query("grid_sample_bwd_input_scratch", batch=d_input.shape[0],
-                            points=points,
-                            cells=int(np.prod(_spatial(d_input.shape, attrs))),
+                            points=points, cells=int(np.prod(spatial)),
+                            extended_cells=int(np.prod([s + 1 for s in spatial])),
                             dims=grid.shape[-1],
                             mode=attrs.mode, element_bytes=np.dtype(dout.dtype).itemsize,
-                            deterministic=deterministic)
+                            deterministic=deterministic, directional=bool(directions))
         if nbytes == _ffi.SIZE_OVERFLOW:
             raise ValueError(
                 f"grid_sample(): the deterministic CUDA input gradient of an input "

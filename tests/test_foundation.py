@@ -86,15 +86,26 @@ def test_enum_codes_come_from_the_native_module():
 
 @pytest.mark.skipif(not _ffi.CUDA_BUILT, reason="host queries live in the CUDA module")
 def test_host_queries_take_named_arguments():
-    args = dict(batch=2, points=100, cells=64, dims=2, mode=_ffi.ENUMS["GridSampleMode"]["bilinear"],
-                element_bytes=4)
-    deterministic = _ffi.query("grid_sample_bwd_input_scratch", deterministic=1, **args)
-    assert deterministic > 2 * 100 * 4 * 4  # at least the entries' keys and weights
-    assert _ffi.query("grid_sample_bwd_input_scratch", deterministic=0, **args) == 0  # atomics
+    args = dict(batch=2, points=100, cells=64, extended_cells=81, dims=2,
+                mode=_ffi.ENUMS["GridSampleMode"]["bilinear"], element_bytes=4)
+    deterministic = _ffi.query("grid_sample_bwd_input_scratch", deterministic=1, directional=0,
+                               **args)
+    # Bilinear first order sorts one entry per point (keys and values, twice each, and its 4
+    # tap weights before and after the sort) and marks the segments of the 2 x 9 x 9 extended
+    # corners; the directional pass sorts one entry per (point, tap) with a weight each and marks
+    # the segments of the 2 x 64 cells.
+    assert deterministic > 4 * 2 * 100 * 4 + 2 * 2 * 100 * 16 + 2 * 2 * 81 * 4
+    directional = _ffi.query("grid_sample_bwd_input_scratch", deterministic=1, directional=1,
+                             **args)
+    assert directional > 4 * 2 * 100 * 4 * 4 + 2 * 2 * 100 * 4 * 4 + 2 * 2 * 64 * 4
+    assert directional > deterministic
+    assert _ffi.query("grid_sample_bwd_input_scratch", deterministic=0, directional=0,
+                      **args) == 0  # atomics
     with pytest.raises(ValueError, match="missing query argument 'deterministic'"):
         _ffi.query("grid_sample_bwd_input_scratch", **args)
     with pytest.raises(ValueError, match="takes no argument 'channels'"):
-        _ffi.query("grid_sample_bwd_input_scratch", deterministic=1, channels=3, **args)
+        _ffi.query("grid_sample_bwd_input_scratch", deterministic=1, directional=0, channels=3,
+                   **args)
     with pytest.raises(ValueError, match="no host query named"):
         _ffi.query("no_such_query")
 
@@ -107,8 +118,8 @@ def test_scratch_queries_refuse_sizes_past_int64():
     query's own refusals stay -1."""
     overflow = _ffi.SIZE_OVERFLOW
     bilinear = _ffi.ENUMS["GridSampleMode"]["bilinear"]
-    grid_sample = dict(batch=2**30, cells=16, dims=2, mode=bilinear, element_bytes=4,
-                       deterministic=1)
+    grid_sample = dict(batch=2**30, cells=16, extended_cells=25, dims=2, mode=bilinear,
+                       element_bytes=4, deterministic=1, directional=0)
     assert _ffi.query("grid_sample_bwd_input_scratch", points=2**20, **grid_sample) > 0
     assert _ffi.query("grid_sample_bwd_input_scratch", points=2**29, **grid_sample) == overflow
     roi_align = dict(N=1, H=64, W=64, boxes=2**20, pooled_height=7, pooled_width=7,

@@ -500,6 +500,67 @@ def test_backward_bitwise_deterministic(dtype):
                 assert again == first
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the CUDA input gradient's two sorted paths")
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("spatial,padding,align", [
+    ((40, 56), "zeros", False), ((40, 56), "border", True), ((40, 56), "reflection", False),
+    ((12, 14, 16), "zeros", True), ((12, 14, 16), "reflection", False)])
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16, jnp.float64),
+                         ids=lambda d: np.dtype(d).name)
+def test_bilinear_corner_sort_matches_the_entries_sort(spatial, padding, align, channels_last,
+                                                       dtype):
+    """The deterministic bilinear input gradient sorts the points by corner when its scratch
+    holds that layout (what the op asks for), else the (point, tap) entries (what programs
+    serialized before the corner sort bring). Both add the same terms in the same order: the
+    same bits. A few points per batch row over a large input makes the entries' scratch the
+    smaller one (precondition, asserted), so that the target can be called with either size.
+    Half the points crowd into a few cells near an edge (long segments, taps off the input)."""
+    from jax_kernels import _ffi
+    rng = np.random.default_rng(23)
+    batch, channels, points = 24, 5, (2, 3)
+    dims = len(spatial)
+    out_points = points if dims == 2 else (2,) + points
+    crowd = rng.uniform(-1.08, -0.9, (batch,) + out_points + (dims,))
+    spread = rng.uniform(-1.1, 1.1, (batch,) + out_points + (dims,))
+    grid = jnp.asarray(np.where(rng.random(crowd.shape[:-1] + (1,)) < 0.5, crowd, spread), dtype)
+    dout_shape = ((batch,) + out_points + (channels,) if channels_last
+                  else (batch, channels) + out_points)
+    dout = jnp.asarray(rng.standard_normal(dout_shape), dtype)
+    cells_shape = spatial + (channels,) if channels_last else (channels,) + spatial
+    d_input = jax.ShapeDtypeStruct((batch,) + cells_shape, dtype)
+    sizes = {}
+    for directional in (0, 1):  # bilinear: 0 sizes the corner sort, 1 the entries' sort
+        sizes[directional] = _ffi.query(
+            "grid_sample_bwd_input_scratch", batch=batch, points=int(np.prod(out_points)),
+            cells=int(np.prod(spatial)), extended_cells=int(np.prod([s + 1 for s in spatial])),
+            dims=dims, mode=_ffi.ENUMS["GridSampleMode"]["bilinear"],
+            element_bytes=np.dtype(dtype).itemsize, deterministic=1, directional=directional)
+    assert sizes[1] < sizes[0], sizes
+    target = "jk_grid_sample_nhwc_bwd_input" if channels_last else "jk_grid_sample_bwd_input"
+    attributes = dict(mode=np.int64(_ffi.ENUMS["GridSampleMode"]["bilinear"]),
+                      padding=np.int64(_ffi.ENUMS["GridSamplePadding"][padding]),
+                      align_corners=align,
+                      batch_maps=np.asarray([1, batch, 1, batch], np.int64), deterministic=True)
+
+    def run(nbytes):
+        scratch = jax.ShapeDtypeStruct((nbytes,), jnp.uint8)
+        return np.asarray(jax.jit(lambda d, g: _ffi.call(target, (d_input, scratch), d, g,
+                                                         **attributes)[0])(dout, grid))
+
+    by_corner, by_entry = run(sizes[0]), run(sizes[1])
+    assert np.abs(to_numpy64(by_corner)).max() > 0
+    assert by_corner.tobytes() == by_entry.tobytes()
+    # and both are the gradient: against the op's own float64 CPU result
+    x = jnp.zeros((batch,) + cells_shape, jnp.float64)
+    fmt = "NHWC" if channels_last else "NCHW"
+    with jax.default_device(jax.devices("cpu")[0]):
+        _, vjp = jax.vjp(lambda a: jk.grid_sample(a, jnp.asarray(to_numpy64(grid)),
+                                                  padding_mode=padding, align_corners=align,
+                                                  data_format=fmt), x)
+        (expected,) = vjp(jnp.asarray(to_numpy64(dout)))
+    assert_close(by_corner, np.asarray(expected), dtype)
+
+
 @pytest.mark.skipif(torch is None or not torch.cuda.is_available(), reason="needs torch CUDA")
 @pytest.mark.parametrize("dtype", (jnp.float32, jnp.float64), ids=("float32", "float64"))
 @pytest.mark.parametrize("rank,mode", RANK_MODES)

@@ -83,9 +83,11 @@ class Sampler:
         def scratch_bytes():
             return _ffi.query("grid_sample_bwd_input_scratch", batch=batch,
                               points=int(np.prod(grid.shape[1:-1])),
-                              cells=int(np.prod(cells_shape[1:])), dims=grid.shape[-1],
-                              mode=MODE_CODES[self.mode],
-                              element_bytes=np.dtype(dout.dtype).itemsize, deterministic=1)
+                              cells=int(np.prod(cells_shape[1:])),
+                              extended_cells=int(np.prod([s + 1 for s in cells_shape[1:]])),
+                              dims=grid.shape[-1], mode=MODE_CODES[self.mode],
+                              element_bytes=np.dtype(dout.dtype).itemsize, deterministic=1,
+                              directional=int(bool(directions)))
 
         return _ffi.call_with_cuda_scratch(target, d_input, *operands,
                                            scratch_bytes=scratch_bytes, cpu_scratch=True,

@@ -4,9 +4,10 @@
 // and the deterministic sorted scatter of d_input: every (point, tap) entry keyed by the input
 // cell it touches, a stable radix sort (CUB) that groups the entries by cell once per call, then
 // one thread per (cell, group of channels) that adds weight * dout in sorted order (channels-last:
-// one thread per (cell, channel), consecutive threads on consecutive channels). Its arrays
-// live in XLA-provided scratch laid out by SortedLayout (the host query
-// "grid_sample_bwd_input_scratch" sizes it at trace time, for both passes).
+// one thread per (cell, channel), consecutive threads on consecutive channels); for bilinear
+// first-order passes, the same with the points sorted by the corner of their taps
+// (corner_scatter). Its arrays live in XLA-provided scratch laid out by SortedLayout (the host
+// query "grid_sample_bwd_input_scratch" sizes it at trace time, for both passes).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -104,11 +105,12 @@ struct SortedLayout {
   int64_t total = 0;  // bytes to ask for
 };
 
-inline SortedLayout sorted_layout(int64_t batch, int64_t points, int64_t taps, int64_t cells,
-                           int acc_bytes) {
+// The scratch of a sort of `entries` entries with keys below `sentinel` (the sentinel itself sorts
+// last), and an acc_bytes weight per entry before and after the sort (acc_bytes 0: no weights).
+inline SortedLayout lay_out_sort(int64_t entries, int64_t sentinel, int acc_bytes) {
   SortedLayout l;
-  l.entries = checked_product({batch, points, taps});
-  l.sentinel = checked_product({batch, cells});
+  l.entries = entries;
+  l.sentinel = sentinel;
   if (l.entries < 0 || l.sentinel < 0) {
     l.total = -1;
     return l;
@@ -132,6 +134,29 @@ inline SortedLayout sorted_layout(int64_t batch, int64_t points, int64_t taps, i
   l.sort_temp = layout.take(l.sort_temp_bytes);
   l.total = layout.total();
   return l;
+}
+
+// The (point, tap) entries' sort (sorted_scatter).
+inline SortedLayout sorted_layout(int64_t batch, int64_t points, int64_t taps, int64_t cells,
+                                  int acc_bytes) {
+  return lay_out_sort(checked_product({batch, points, taps}), checked_product({batch, cells}),
+                      acc_bytes);
+}
+
+// The bilinear points' sort by corner (corner_scatter): one entry per point, keyed by its
+// corner in the extended grid of prod(size + 1) cells per batch row, with the point's `taps`
+// (2^dims) tap weights of acc_bytes each.
+inline SortedLayout corner_layout(int64_t batch, int64_t points, int64_t extended_cells,
+                                  int64_t taps, int acc_bytes) {
+  return lay_out_sort(checked_product({batch, points}), checked_product({batch, extended_cells}),
+                      int(taps) * acc_bytes);
+}
+
+// Cells per batch row of the extended grid: prod over the axes of (size + 1).
+inline int64_t extended_cells(const GridSampleGeometry& g) {
+  int64_t cells = 1;
+  for (int d = 0; d < g.dims; ++d) cells = checked_mul(cells, checked_add(g.size[d], 1));
+  return cells;
 }
 
 // Taps per point of a sampling mode: nearest 1, bilinear 4 (2-D) or 8 (3-D), bicubic 16.
@@ -286,6 +311,267 @@ ffi::Error sorted_scatter(cudaStream_t stream, const char* op, const GridSampleC
     if (g.channels >= 8) {
       gather(std::integral_constant<int, 8>{});
     } else if (g.channels >= 4) {
+      gather(std::integral_constant<int, 4>{});
+    } else {
+      gather(std::integral_constant<int, 1>{});
+    }
+  }
+  return launch_status(op);
+}
+
+// ---- backward d_input, deterministic, bilinear: sort points by corner, then gather -----------
+
+// A bilinear point's taps are the cells corner + (i, j[, k]), i, j, k in {0, 1}, where the corner
+// is the floor of its coordinates (tap t = (k * 2 + j) * 2 + i, as in PointTaps), and a tap is
+// valid where its cell lies in the input. Along each axis the corner lies in [-1, size - 1] for
+// any point with a valid tap, so in the extended grid of (size + 1) cells per axis, corner + 1
+// indexes it. Sorting the points (stably, by corner) groups them; cell c then receives tap t from
+// the points at corner c - (i, j[, k]), every one of whose tap t is valid. The gather walks t in
+// order and each corner's points in point order: the same terms in the same order as
+// sorted_scatter's tap-major entries (the weights are PointTaps', computed once per point), with
+// a quarter (3-D: an eighth) of the entries to sort and one permutation of 2^dims weights per
+// point instead of one random read per entry.
+
+// A point's tap weights, stored together (16-byte loads where they are that large).
+template <class A, int kTaps>
+struct alignas(sizeof(A) * kTaps >= 16 ? 16 : sizeof(A) * kTaps) TapWeights {
+  A w[kTaps];
+};
+
+// The extended-grid corner of a bilinear point (2- or 3-D): (corner + 1) along each axis, flat
+// (x fastest), or -1 when no tap of the point is valid.
+template <class A, class Index, int kDims>
+__device__ __forceinline__ int64_t bilinear_corner(const GridSampleGeometry& g,
+                                                   const A (&coord)[kDims]) {
+  int64_t corner = 0;
+  JK_UNROLL
+  for (int d = kDims - 1; d >= 0; --d) {
+    AxisTaps<A, Index, 2> axis;
+    axis_taps<GridSampleMode::kBilinear, A, Index>(coord[d], g.size[d], g.padding,
+                                                    g.align_corners, &axis);
+    if (!axis.valid[0] && !axis.valid[1]) return -1;
+    // valid[0]: corner = index[0] in [0, size); else only tap 1, at cell 0: corner = -1.
+    const int64_t shifted = axis.valid[0] ? int64_t(axis.index[0]) + 1 : 0;
+    corner = corner * (g.size[d] + 1) + shifted;
+  }
+  return corner;
+}
+
+// Point q = m * points + p: key = its batch row's extended cell m * extended + corner (sentinel
+// for a point without valid taps), value = q, and its tap weights (PointTaps') at q.
+template <class T, class Key, class Index, int kDims>
+__global__ void __launch_bounds__(kThreads)
+    corner_keys_kernel(const T* __restrict__ grid, Key* __restrict__ keys,
+                       Key* __restrict__ values, TapWeights<acc_t<T>, 1 << kDims>* __restrict__ weights,
+                       GridSampleCall call, Key extended, Key sentinel) {
+  using A = acc_t<T>;
+  using Taps = PointTaps<A, Index, GridSampleMode::kBilinear, kDims>;
+  const GridSampleGeometry& g = call.geometry;
+  const Index points = Index(g.points);
+  const Index total = Index(g.batch) * points;
+  const GridStride<Index> loop(total, blockDim.x, threadIdx.x);
+  for (Index q = loop.first; q < total; q = loop.next(q)) {
+    const Index m = q / points;
+    const Index p = q - m * points;
+    A coord[kDims];
+    load_coordinates<A, Index, kDims>(grid, Index(call.grid_map(m)), p, points, coord);
+    const int64_t corner = bilinear_corner<A, Index, kDims>(g, coord);
+    keys[q] = corner < 0 ? sentinel : Key(m) * extended + Key(corner);
+    values[q] = Key(q);
+    Taps taps;
+    taps.template compute<false>(g, coord);
+    TapWeights<A, Taps::kCount> w;
+    JK_UNROLL
+    for (int t = 0; t < Taps::kCount; ++t) w.w[t] = taps.weight[t];
+    weights[q] = w;
+  }
+}
+
+// Over the sorted entries: marks the segment [start, end) of each key (keys without entries
+// keep start = end = 0; the sentinel's is not marked) and lays the points' weights out in sorted
+// order.
+template <class A, int kTaps, class Key>
+__global__ void __launch_bounds__(kThreads)
+    corner_segments_kernel(const Key* __restrict__ keys, const Key* __restrict__ values,
+                           const TapWeights<A, kTaps>* __restrict__ weights,
+                           Key* __restrict__ starts, Key* __restrict__ ends,
+                           TapWeights<A, kTaps>* __restrict__ sorted_weights, Key entries,
+                           Key sentinel) {
+  const GridStride<Key> loop(entries, blockDim.x, threadIdx.x);
+  for (Key i = loop.first; i < entries; i = loop.next(i)) {
+    const Key key = keys[i];
+    if (key == sentinel) continue;  // points without valid taps sort last
+    if (i == 0 || keys[i - 1] != key) starts[key] = i;
+    if (i + 1 == entries || keys[i + 1] != key) ends[key] = i + 1;
+    sorted_weights[i] = weights[values[i]];
+  }
+}
+
+// The cells' view of the extended grid: cell (x, y[, z]) of batch row m receives tap
+// t = (k * 2 + j) * 2 + i from extended corner (x + 1 - i, y + 1 - j[, z + 1 - k]). The
+// segments of its 2^dims corners, loaded together.
+template <class Key, class Index, int kDims>
+struct CornerSegments {
+  static constexpr int kTaps = 1 << kDims;
+  Index begin[kTaps], end[kTaps];
+
+  __device__ __forceinline__ CornerSegments(const GridSampleGeometry& g, Key extended, Index m,
+                                            Index cell, const Key* __restrict__ starts,
+                                            const Key* __restrict__ ends) {
+    const Key step_y = Key(g.size[0] + 1);
+    const Key step_z = step_y * Key(g.size[1] + 1);
+    const Index width = Index(g.size[0]), height = Index(g.size[1]);
+    const Index x = cell % width;
+    const Index rows = cell / width;  // z * H + y
+    const Index y = kDims == 3 ? rows % height : rows;
+    const Index z = kDims == 3 ? rows / height : Index(0);
+    const Key base = Key(m) * extended + Key(x + 1) + Key(y + 1) * step_y +
+                     (kDims == 3 ? Key(z + 1) * step_z : Key(0));
+    JK_UNROLL
+    for (int t = 0; t < kTaps; ++t) {
+      // never below m * extended: each axis' coordinate + 1 - (0 or 1) >= 0
+      const Key corner = base - Key(t & 1) - Key((t >> 1) & 1) * step_y -
+                         Key((t >> 2) & 1) * step_z;
+      begin[t] = Index(starts[corner]);
+      end[t] = Index(ends[corner]);
+    }
+  }
+};
+
+// Channels-first: one thread per (cell, group of kGroup channels).
+template <class T, class Key, class Index, int kDims, int kGroup>
+__global__ void __launch_bounds__(kThreads)
+    corner_gather_kernel(const T* __restrict__ dout, const Key* __restrict__ starts,
+                         const Key* __restrict__ ends, const Key* __restrict__ sorted_points,
+                         const TapWeights<acc_t<T>, 1 << kDims>* __restrict__ sorted_weights,
+                         T* __restrict__ d_input, GridSampleCall call, Key extended) {
+  using A = acc_t<T>;
+  constexpr int kTaps = 1 << kDims;
+  const GridSampleGeometry& g = call.geometry;
+  const Index points = Index(g.points), channels = Index(g.channels), cells = Index(g.cells);
+  const Index total = Index(g.batch) * cells;
+  const Index group_step = Index(gridDim.y) * kGroup;
+  const GridStride<Index> loop(total, blockDim.x, threadIdx.x);
+  for (Index k = loop.first; k < total; k = loop.next(k)) {
+    const Index m = k / cells;
+    const Index cell = k - m * cells;
+    const CornerSegments<Key, Index, kDims> segments(g, extended, m, cell, starts, ends);
+    const Index row_base = m * points;  // sorted_points holds q = m * points + p
+    const T* d = dout + Index(call.dout_map(m)) * channels * points;
+    T* result = d_input + m * channels * cells + cell;
+    for (Index c0 = Index(blockIdx.y) * kGroup; c0 < channels;
+         c0 = next_index(c0, group_step, channels)) {
+      A sum[kGroup] = {};
+      JK_UNROLL
+      for (int t = 0; t < kTaps; ++t) {
+        for (Index i = segments.begin[t]; i < segments.end[t]; ++i) {
+          const A w = sorted_weights[i].w[t];
+          const T* row = d + c0 * points + (Index(sorted_points[i]) - row_base);
+          JK_UNROLL
+          for (int j = 0; j < kGroup; ++j)
+            if (c0 + j < channels) sum[j] += w * to_acc(row[j * points]);
+        }
+      }
+      JK_UNROLL
+      for (int j = 0; j < kGroup; ++j)
+        if (c0 + j < channels) result[(c0 + j) * cells] = from_acc<T>(sum[j]);
+    }
+  }
+}
+
+// Channels-last: one thread per (cell, channel), channels fastest.
+template <class T, class Key, class Index, int kDims>
+__global__ void __launch_bounds__(kThreads)
+    corner_gather_channels_last_kernel(const T* __restrict__ dout, const Key* __restrict__ starts,
+                                       const Key* __restrict__ ends,
+                                       const Key* __restrict__ sorted_points,
+                                       const TapWeights<acc_t<T>, 1 << kDims>* __restrict__
+                                           sorted_weights,
+                                       T* __restrict__ d_input, GridSampleCall call,
+                                       Key extended) {
+  using A = acc_t<T>;
+  constexpr int kTaps = 1 << kDims;
+  const GridSampleGeometry& g = call.geometry;
+  const Index points = Index(g.points), channels = Index(g.channels), cells = Index(g.cells);
+  const Index total = Index(g.batch) * cells * channels;
+  const GridStride<Index> loop(total, blockDim.x, threadIdx.x);
+  for (Index k = loop.first; k < total; k = loop.next(k)) {
+    const Index flat_cell = k / channels;  // m * cells + cell
+    const Index c = k - flat_cell * channels;
+    const Index m = flat_cell / cells;
+    const CornerSegments<Key, Index, kDims> segments(g, extended, m, flat_cell - m * cells,
+                                                     starts, ends);
+    const Index row_base = m * points;
+    const T* d = dout + Index(call.dout_map(m)) * channels * points + c;
+    A sum = A(0);
+    JK_UNROLL
+    for (int t = 0; t < kTaps; ++t)
+      for (Index i = segments.begin[t]; i < segments.end[t]; ++i)
+        sum += sorted_weights[i].w[t] *
+               to_acc(d[(Index(sorted_points[i]) - row_base) * channels]);
+    d_input[k] = from_acc<T>(sum);
+  }
+}
+
+// The bilinear d_input through the corner sort (layout from corner_layout): keys, values and
+// weights, the stable sort, the segments' bounds and sorted weights, the gather. Bitwise equal
+// to sorted_scatter on the same problem.
+template <class T, class Key, class Index, int kDims, GridSampleLayout kLayout>
+ffi::Error corner_scatter(cudaStream_t stream, const char* op, const GridSampleCall& call,
+                          const SortedLayout& l, const T* dout, const T* grid, T* d_input,
+                          char* scratch) {
+  using W = TapWeights<acc_t<T>, 1 << kDims>;
+  const GridSampleGeometry& g = call.geometry;
+  const int64_t extended = extended_cells(g);
+  Key* keys[2] = {reinterpret_cast<Key*>(scratch + l.keys[0]),
+                  reinterpret_cast<Key*>(scratch + l.keys[1])};
+  Key* values[2] = {reinterpret_cast<Key*>(scratch + l.values[0]),
+                    reinterpret_cast<Key*>(scratch + l.values[1])};
+  W* weights = reinterpret_cast<W*>(scratch + l.weights);
+  W* sorted_weights = reinterpret_cast<W*>(scratch + l.sorted_weights);
+  Key* starts = reinterpret_cast<Key*>(scratch + l.starts);
+  Key* ends = reinterpret_cast<Key*>(scratch + l.ends);
+
+  corner_keys_kernel<T, Key, Index, kDims>
+      <<<grid_blocks(l.entries, kThreads), kThreads, 0, stream>>>(
+          grid, keys[0], values[0], weights, call, Key(extended), Key(l.sentinel));
+  if (auto error = launch_status(op); error.failure()) return error;
+  cub::DoubleBuffer<Key> key_buffers(keys[0], keys[1]);
+  cub::DoubleBuffer<Key> value_buffers(values[0], values[1]);
+  if (auto error = radix_sort_pairs(op, key_buffers, value_buffers, l.entries, l.end_bit,
+                                    scratch + l.sort_temp, l.sort_temp_bytes, stream);
+      error.failure())
+    return error;
+  const size_t bounds_bytes = size_t(l.sentinel) * sizeof(Key);
+  for (Key* bounds : {starts, ends})
+    if (auto error = cuda_status(op, cudaMemsetAsync(bounds, 0, bounds_bytes, stream));
+        error.failure())
+      return error;
+  corner_segments_kernel<acc_t<T>, 1 << kDims, Key>
+      <<<grid_blocks(l.entries, kThreads), kThreads, 0, stream>>>(
+          key_buffers.Current(), value_buffers.Current(), weights, starts, ends, sorted_weights,
+          Key(l.entries), Key(l.sentinel));
+  if (auto error = launch_status(op); error.failure()) return error;
+
+  const Key* sorted_points = value_buffers.Current();
+  const int64_t cells = g.batch * g.cells;
+  if constexpr (kLayout == GridSampleLayout::kChannelsLast) {
+    corner_gather_channels_last_kernel<T, Key, Index, kDims>
+        <<<grid_blocks(cells * g.channels, kThreads), kThreads, 0, stream>>>(
+            dout, starts, ends, sorted_points, sorted_weights, d_input, call, Key(extended));
+  } else {
+    const auto gather = [&](auto group) {
+      constexpr int G = decltype(group)::value;
+      const int64_t groups = (g.channels + G - 1) / G;
+      const dim3 launch(grid_blocks(cells, kThreads),
+                        unsigned(std::min<int64_t>(groups, 65535)));
+      corner_gather_kernel<T, Key, Index, kDims, G><<<launch, kThreads, 0, stream>>>(
+          dout, starts, ends, sorted_points, sorted_weights, d_input, call, Key(extended));
+    };
+    // As sorted_scatter's gather: 8 channels per thread, 4 below 8 channels, 1 below 3.
+    if (g.channels >= 8) {
+      gather(std::integral_constant<int, 8>{});
+    } else if (g.channels >= 3) {
       gather(std::integral_constant<int, 4>{});
     } else {
       gather(std::integral_constant<int, 1>{});

@@ -14,10 +14,12 @@
 // radix sort (CUB) groups the entries by cell, once per call and independent of the channel
 // count; then one thread per (cell, group of channels) adds its entries' weight * dout in
 // sorted order. Stable sort + fixed entry order = fixed summation order: bitwise reproducible,
-// with no floating-point atomics. Keys, values, weights, segment bounds and CUB's temporary
-// storage live in a scratch buffer that XLA provides, sized at trace time by the host query
-// "grid_sample_bwd_input_scratch" (defined here). The sorted scatter, the launch shapes and the
-// loads are shared with the directional passes (common.cuh, directional.cu).
+// with no floating-point atomics. Bilinear sampling sorts its points instead, by the corner of
+// their taps (common.cuh: corner_scatter), each with its tap weights: same terms, same order, a
+// quarter of the entries. Keys, values, weights, segment bounds and CUB's
+// temporary storage live in a scratch buffer that XLA provides, sized at trace time by the host
+// query "grid_sample_bwd_input_scratch" (defined here). The sorted scatter, the launch shapes and
+// the loads are shared with the directional passes (common.cuh, directional.cu).
 //
 // d_input with deterministic=False (float32/float64): atomicAdd of each tap's contribution.
 #include <algorithm>
@@ -207,19 +209,27 @@ __global__ void __launch_bounds__(kThreads)
 // ---- backward d_input, deterministic: sort entries by cell, then gather -------------------------
 
 // Host query "grid_sample_bwd_input_scratch": the scratch bytes of the d_input pass. Arguments:
-// `batch` (output batch rows), `points` per row, `cells` per input plane, `dims` (2 or 3),
-// `mode` (GridSampleMode), `element_bytes` and `deterministic`. The half types and
-// deterministic=True take the sorted path; the atomic path needs none. The directional d_input
-// pass (directional.cu) always takes the sorted path: its size is this with deterministic=1.
-// kSizeOverflow when the size cannot be represented.
+// `batch` (output batch rows), `points` per row, `cells` per input plane, `extended_cells`
+// (the product over the input's spatial axes of size + 1), `dims` (2 or 3), `mode`
+// (GridSampleMode), `element_bytes`, `deterministic` and `directional` (the directional d_input
+// pass of directional.cu, always on the sorted path). The half types and deterministic=True take
+// a sorted path: bilinear first-order passes the corner sort (corner_layout), the others the
+// (point, tap) entries' sort (sorted_layout); the atomic path needs none. kSizeOverflow when the
+// size cannot be represented.
 int64_t backward_input_scratch_query(const QueryArgs& a) {
   const int64_t batch = a["batch"], points = a["points"], cells = a["cells"];
-  const int64_t taps = taps_per_point(GridSampleMode(a["mode"]), a["dims"]);
+  const int64_t extended = a["extended_cells"];
+  const GridSampleMode mode = GridSampleMode(a["mode"]);
+  const int64_t taps = taps_per_point(mode, a["dims"]);
   const int64_t element_bytes = a["element_bytes"];
   const bool deterministic = a["deterministic"] != 0;
-  if (!(deterministic || element_bytes == 2)) return 0;
+  const bool directional = a["directional"] != 0;
+  if (!(deterministic || directional || element_bytes == 2)) return 0;
   if (batch == 0 || points == 0 || cells == 0) return 0;
-  const int64_t total = sorted_layout(batch, points, taps, cells, element_bytes == 8 ? 8 : 4).total;
+  const int64_t total =
+      mode == GridSampleMode::kBilinear && !directional
+          ? corner_layout(batch, points, extended, taps, element_bytes == 8 ? 8 : 4).total
+          : sorted_layout(batch, points, taps, cells, element_bytes == 8 ? 8 : 4).total;
   return total < 0 ? kSizeOverflow : total;
 }
 
@@ -378,10 +388,20 @@ ffi::Error grid_sample_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, 
     }
     const int taps = taps_per_point(call.mode, g.dims);
     const SortedLayout layout = sorted_layout(g.batch, g.points, taps, g.cells, int(sizeof(A)));
-    if (layout.total < 0 || int64_t(scratch->size_bytes()) < layout.total)
+    // Bilinear sampling sorts its points by corner where the scratch holds that layout (the
+    // query asks for it); a program serialized before the corner sort existed brings the
+    // entries' scratch, which may be smaller: it then takes the entries' sort (same bits).
+    const SortedLayout corners =
+        corner_layout(g.batch, g.points, extended_cells(g), taps, int(sizeof(A)));
+    const bool by_corner = call.mode == GridSampleMode::kBilinear && corners.total >= 0 &&
+                           int64_t(scratch->size_bytes()) >= corners.total;
+    const SortedLayout& chosen = by_corner ? corners : layout;
+    if (chosen.total < 0 || int64_t(scratch->size_bytes()) < chosen.total)
       return ffi::Error::InvalidArgument(std::string(op) + ": scratch of " +
                                          std::to_string(scratch->size_bytes()) + " bytes, need " +
-                                         std::to_string(layout.total));
+                                         std::to_string(call.mode == GridSampleMode::kBilinear
+                                                            ? corners.total
+                                                            : layout.total));
     char* aligned = aligned_scratch(scratch->untyped_data());
     dispatch_grid_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
       constexpr GridSampleMode kMode = decltype(mode_c)::value;
@@ -389,15 +409,23 @@ ffi::Error grid_sample_backward_input(cudaStream_t stream, ffi::AnyBuffer dout, 
       const T* dout_data = static_cast<const T*>(dout.untyped_data());
       const T* grid_data = static_cast<const T*>(grid.untyped_data());
       T* result_data = static_cast<T*>(d_input->untyped_data());
-      if (layout.narrow && narrow_index) {
-        result = backward_input_sorted<T, uint32_t, int32_t, kMode, kDims, kLayout>(
-            stream, call, layout, dout_data, grid_data, result_data, aligned);
-      } else if (layout.narrow) {
-        result = backward_input_sorted<T, uint32_t, int64_t, kMode, kDims, kLayout>(
-            stream, call, layout, dout_data, grid_data, result_data, aligned);
+      const auto run = [&](auto key, auto index) {
+        using Key = decltype(key);
+        using Index = decltype(index);
+        if constexpr (kMode == GridSampleMode::kBilinear) {
+          if (by_corner)
+            return corner_scatter<T, Key, Index, kDims, kLayout>(
+                stream, op, call, chosen, dout_data, grid_data, result_data, aligned);
+        }
+        return backward_input_sorted<T, Key, Index, kMode, kDims, kLayout>(
+            stream, call, chosen, dout_data, grid_data, result_data, aligned);
+      };
+      if (chosen.narrow && narrow_index) {
+        result = run(uint32_t{}, int32_t{});
+      } else if (chosen.narrow) {
+        result = run(uint32_t{}, int64_t{});
       } else {
-        result = backward_input_sorted<T, uint64_t, int64_t, kMode, kDims, kLayout>(
-            stream, call, layout, dout_data, grid_data, result_data, aligned);
+        result = run(uint64_t{}, int64_t{});
       }
     });
     return result;
