@@ -106,8 +106,8 @@ struct SortedLayout {
 };
 
 // The scratch of a sort of `entries` entries with keys below `sentinel` (the sentinel itself sorts
-// last), and an acc_bytes weight per entry before and after the sort (acc_bytes 0: no weights).
-inline SortedLayout lay_out_sort(int64_t entries, int64_t sentinel, int acc_bytes) {
+// last), with `weight_bytes` of weights per entry before and after the sort.
+inline SortedLayout lay_out_sort(int64_t entries, int64_t sentinel, int weight_bytes) {
   SortedLayout l;
   l.entries = entries;
   l.sentinel = sentinel;
@@ -119,7 +119,7 @@ inline SortedLayout lay_out_sort(int64_t entries, int64_t sentinel, int acc_byte
   const int64_t key_bytes = l.narrow ? 4 : 8;
   l.end_bit = key_bits(uint64_t(l.sentinel));
   const int64_t key_array = checked_mul(l.entries, key_bytes);
-  const int64_t weight_array = checked_mul(l.entries, acc_bytes);
+  const int64_t weight_array = checked_mul(l.entries, weight_bytes);
   const int64_t bounds_array = checked_mul(l.sentinel, key_bytes);
   ScratchLayout layout;
   l.keys[0] = layout.take(key_array);
