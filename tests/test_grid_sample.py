@@ -501,6 +501,7 @@ def test_backward_bitwise_deterministic(dtype):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the CUDA input gradient's two sorted paths")
+@pytest.mark.parametrize("channels", [3, 5])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("spatial,padding,align", [
     ((40, 56), "zeros", False), ((40, 56), "border", True), ((40, 56), "reflection", False),
@@ -508,16 +509,17 @@ def test_backward_bitwise_deterministic(dtype):
 @pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16, jnp.float64),
                          ids=lambda d: np.dtype(d).name)
 def test_bilinear_corner_sort_matches_the_entries_sort(spatial, padding, align, channels_last,
-                                                       dtype):
+                                                       channels, dtype):
     """The deterministic bilinear input gradient sorts the points by corner when its scratch
     holds that layout (what the op asks for), else the (point, tap) entries (what programs
     serialized before the corner sort bring). Both add the same terms in the same order: the
     same bits. A few points per batch row over a large input makes the entries' scratch the
     smaller one (precondition, asserted), so that the target can be called with either size.
-    Half the points crowd into a few cells near an edge (long segments, taps off the input)."""
+    Half the points crowd into a few cells near an edge (long segments, taps off the input).
+    3 channels take the gathers' few-channel form (channels-last: one thread per cell)."""
     from jax_kernels import _ffi
     rng = np.random.default_rng(23)
-    batch, channels, points = 24, 5, (2, 3)
+    batch, points = 24, (2, 3)
     dims = len(spatial)
     out_points = points if dims == 2 else (2,) + points
     crowd = rng.uniform(-1.08, -0.9, (batch,) + out_points + (dims,))

@@ -224,9 +224,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   }
 }
 
-// Channels-last: one thread per (cell, channel), channels fastest, so that the threads of a warp
-// share a cell's entries and read consecutive channels of each entry's dout point.
-template <class T, class Key, class Index>
+// Channels-last: one thread per (cell, group of kGroup channels), groups fastest. With one
+// channel per thread the threads of a warp share a cell's entries and read consecutive channels
+// of each entry's dout point; with a few channels (kGroup covering them all) one thread walks
+// a cell's entries once and reads the point's channels together.
+template <class T, class Key, class Index, int kGroup>
 __global__ void __launch_bounds__(kThreads)
     gather_channels_last_kernel(const T* __restrict__ dout, const Key* __restrict__ starts,
                                 const Key* __restrict__ ends, const Key* __restrict__ sorted_points,
@@ -235,20 +237,81 @@ __global__ void __launch_bounds__(kThreads)
   using A = acc_t<T>;
   const GridSampleGeometry& g = call.geometry;
   const Index points = Index(g.points), channels = Index(g.channels), cells = Index(g.cells);
-  const Index total = Index(g.batch) * cells * channels;
+  const Index groups = (channels + kGroup - 1) / kGroup;
+  const Index total = Index(g.batch) * cells * groups;
   const GridStride<Index> loop(total, blockDim.x, threadIdx.x);
   for (Index k = loop.first; k < total; k = loop.next(k)) {
-    const Index cell = k / channels;  // m * cells + offset
-    const Index c = k - cell * channels;
+    const Index cell = k / groups;  // m * cells + offset
+    const Index c0 = (k - cell * groups) * kGroup;
     const Index m = cell / cells;
     const Index begin = Index(starts[cell]);
     const Index end = Index(ends[cell]);
-    const T* d = dout + Index(call.dout_map(m)) * channels * points + c;
-    A sum = A(0);
-    for (Index i = begin; i < end; ++i)
-      sum += sorted_weights[i] * to_acc(d[Index(sorted_points[i]) * channels]);
-    d_input[k] = from_acc<T>(sum);
+    const T* d = dout + Index(call.dout_map(m)) * channels * points + c0;
+    A sum[kGroup] = {};
+    for (Index i = begin; i < end; ++i) {
+      const A w = sorted_weights[i];
+      const T* row = d + Index(sorted_points[i]) * channels;
+      JK_UNROLL
+      for (int j = 0; j < kGroup; ++j)
+        if (c0 + j < channels) sum[j] += w * to_acc(row[j]);
+    }
+    T* result = d_input + cell * channels + c0;
+    JK_UNROLL
+    for (int j = 0; j < kGroup; ++j)
+      if (c0 + j < channels) result[j] = from_acc<T>(sum[j]);
   }
+}
+
+// Channels per thread of the channels-last gathers: all of them up to 4, else one.
+template <class F>
+void with_channels_last_group(int64_t channels, F&& f) {
+  if (channels <= 4) {
+    f(std::integral_constant<int, 4>{});
+  } else {
+    f(std::integral_constant<int, 1>{});
+  }
+}
+
+// The arrays of a sort laid out by SortedLayout in the scratch, with weights of type W.
+template <class Key, class W>
+struct SortArrays {
+  Key* keys[2];
+  Key* values[2];
+  W* weights;
+  W* sorted_weights;
+  Key* starts;
+  Key* ends;
+
+  SortArrays(const SortedLayout& l, char* scratch)
+      : keys{reinterpret_cast<Key*>(scratch + l.keys[0]),
+             reinterpret_cast<Key*>(scratch + l.keys[1])},
+        values{reinterpret_cast<Key*>(scratch + l.values[0]),
+               reinterpret_cast<Key*>(scratch + l.values[1])},
+        weights(reinterpret_cast<W*>(scratch + l.weights)),
+        sorted_weights(reinterpret_cast<W*>(scratch + l.sorted_weights)),
+        starts(reinterpret_cast<Key*>(scratch + l.starts)),
+        ends(reinterpret_cast<Key*>(scratch + l.ends)) {}
+};
+
+// Sorts the written entries (keys[0], values[0]) stably by key, into `keys` / `values` (their
+// Current() then holds the sorted pairs), and zeroes every key's segment bounds.
+template <class Key, class W>
+ffi::Error sort_entries(cudaStream_t stream, const char* op, const SortedLayout& l, char* scratch,
+                        const SortArrays<Key, W>& a, cub::DoubleBuffer<Key>* keys,
+                        cub::DoubleBuffer<Key>* values) {
+  *keys = cub::DoubleBuffer<Key>(a.keys[0], a.keys[1]);
+  *values = cub::DoubleBuffer<Key>(a.values[0], a.values[1]);
+  if (auto error = radix_sort_pairs(op, *keys, *values, l.entries, l.end_bit,
+                                    scratch + l.sort_temp, l.sort_temp_bytes, stream);
+      error.failure())
+    return error;
+  const size_t bounds_bytes = size_t(l.sentinel) * sizeof(Key);
+  Key* const bounds[2] = {a.starts, a.ends};
+  for (Key* b : bounds)
+    if (auto error = cuda_status(op, cudaMemsetAsync(b, 0, bounds_bytes, stream));
+        error.failure())
+      return error;
+  return ffi::Error::Success();
 }
 
 // The sorted (deterministic) d_input path, with keys and indices of type Key / Index: queues
@@ -264,41 +327,32 @@ ffi::Error sorted_scatter(cudaStream_t stream, const char* op, const GridSampleC
                           BuildEntries&& build_entries) {
   using A = acc_t<T>;
   const GridSampleGeometry& g = call.geometry;
-  Key* keys[2] = {reinterpret_cast<Key*>(scratch + l.keys[0]),
-                  reinterpret_cast<Key*>(scratch + l.keys[1])};
-  Key* values[2] = {reinterpret_cast<Key*>(scratch + l.values[0]),
-                    reinterpret_cast<Key*>(scratch + l.values[1])};
-  A* weights = reinterpret_cast<A*>(scratch + l.weights);
-  A* sorted_weights = reinterpret_cast<A*>(scratch + l.sorted_weights);
-  Key* starts = reinterpret_cast<Key*>(scratch + l.starts);
-  Key* ends = reinterpret_cast<Key*>(scratch + l.ends);
+  const SortArrays<Key, A> a(l, scratch);
   const int64_t total_points = g.batch * g.points;
 
-  build_entries(keys[0], values[0], weights);
+  build_entries(a.keys[0], a.values[0], a.weights);
   if (auto error = launch_status(op); error.failure()) return error;
-
-  cub::DoubleBuffer<Key> key_buffers(keys[0], keys[1]);
-  cub::DoubleBuffer<Key> value_buffers(values[0], values[1]);
-  if (auto error = radix_sort_pairs(op, key_buffers, value_buffers, l.entries, l.end_bit,
-                                    scratch + l.sort_temp, l.sort_temp_bytes, stream);
-      error.failure())
+  cub::DoubleBuffer<Key> keys, values;
+  if (auto error = sort_entries(stream, op, l, scratch, a, &keys, &values); error.failure())
     return error;
-  const size_t bounds_bytes = size_t(l.sentinel) * sizeof(Key);
-  for (Key* bounds : {starts, ends})
-    if (auto error = cuda_status(op, cudaMemsetAsync(bounds, 0, bounds_bytes, stream));
-        error.failure())
-      return error;
-  Key* sorted_points = value_buffers.Alternate();
+  Key* sorted_points = values.Alternate();
   segment_kernel<A, Key><<<grid_blocks(l.entries, kThreads), kThreads, 0, stream>>>(
-      key_buffers.Current(), value_buffers.Current(), weights, starts, ends, sorted_points,
-      sorted_weights, Key(l.entries), Key(total_points), Key(g.points), Key(l.sentinel));
+      keys.Current(), values.Current(), a.weights, a.starts, a.ends, sorted_points,
+      a.sorted_weights, Key(l.entries), Key(total_points), Key(g.points), Key(l.sentinel));
   if (auto error = launch_status(op); error.failure()) return error;
+  const Key* starts = a.starts;
+  const Key* ends = a.ends;
+  const A* sorted_weights = a.sorted_weights;
 
   const int64_t cells = g.batch * g.cells;
   if constexpr (kLayout == GridSampleLayout::kChannelsLast) {
-    gather_channels_last_kernel<T, Key, Index>
-        <<<grid_blocks(cells * g.channels, kThreads), kThreads, 0, stream>>>(
-            dout, starts, ends, sorted_points, sorted_weights, d_input, call);
+    with_channels_last_group(g.channels, [&](auto group) {
+      constexpr int G = decltype(group)::value;
+      const int64_t groups = (g.channels + G - 1) / G;
+      gather_channels_last_kernel<T, Key, Index, G>
+          <<<grid_blocks(cells * groups, kThreads), kThreads, 0, stream>>>(
+              dout, starts, ends, sorted_points, sorted_weights, d_input, call);
+    });
   } else {
     const auto gather = [&](auto group) {
       constexpr int G = decltype(group)::value;
@@ -479,8 +533,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Channels-last: one thread per (cell, channel), channels fastest.
-template <class T, class Key, class Index, int kDims>
+// Channels-last: one thread per (cell, group of kGroup channels), groups fastest (as
+// gather_channels_last_kernel).
+template <class T, class Key, class Index, int kDims, int kGroup>
 __global__ void __launch_bounds__(kThreads)
     corner_gather_channels_last_kernel(const T* __restrict__ dout, const Key* __restrict__ starts,
                                        const Key* __restrict__ ends,
@@ -493,23 +548,31 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kTaps = 1 << kDims;
   const GridSampleGeometry& g = call.geometry;
   const Index points = Index(g.points), channels = Index(g.channels), cells = Index(g.cells);
-  const Index total = Index(g.batch) * cells * channels;
+  const Index groups = (channels + kGroup - 1) / kGroup;
+  const Index total = Index(g.batch) * cells * groups;
   const GridStride<Index> loop(total, blockDim.x, threadIdx.x);
   for (Index k = loop.first; k < total; k = loop.next(k)) {
-    const Index flat_cell = k / channels;  // m * cells + cell
-    const Index c = k - flat_cell * channels;
+    const Index flat_cell = k / groups;  // m * cells + cell
+    const Index c0 = (k - flat_cell * groups) * kGroup;
     const Index m = flat_cell / cells;
     const CornerSegments<Key, Index, kDims> segments(g, extended, m, flat_cell - m * cells,
                                                      starts, ends);
     const Index row_base = m * points;
-    const T* d = dout + Index(call.dout_map(m)) * channels * points + c;
-    A sum = A(0);
+    const T* d = dout + Index(call.dout_map(m)) * channels * points + c0;
+    A sum[kGroup] = {};
     JK_UNROLL
     for (int t = 0; t < kTaps; ++t)
-      for (Index i = segments.begin[t]; i < segments.end[t]; ++i)
-        sum += sorted_weights[i].w[t] *
-               to_acc(d[(Index(sorted_points[i]) - row_base) * channels]);
-    d_input[k] = from_acc<T>(sum);
+      for (Index i = segments.begin[t]; i < segments.end[t]; ++i) {
+        const A w = sorted_weights[i].w[t];
+        const T* row = d + (Index(sorted_points[i]) - row_base) * channels;
+        JK_UNROLL
+        for (int j = 0; j < kGroup; ++j)
+          if (c0 + j < channels) sum[j] += w * to_acc(row[j]);
+      }
+    T* result = d_input + flat_cell * channels + c0;
+    JK_UNROLL
+    for (int j = 0; j < kGroup; ++j)
+      if (c0 + j < channels) result[j] = from_acc<T>(sum[j]);
   }
 }
 
@@ -523,42 +586,34 @@ ffi::Error corner_scatter(cudaStream_t stream, const char* op, const GridSampleC
   using W = TapWeights<acc_t<T>, 1 << kDims>;
   const GridSampleGeometry& g = call.geometry;
   const int64_t extended = extended_cells(g);
-  Key* keys[2] = {reinterpret_cast<Key*>(scratch + l.keys[0]),
-                  reinterpret_cast<Key*>(scratch + l.keys[1])};
-  Key* values[2] = {reinterpret_cast<Key*>(scratch + l.values[0]),
-                    reinterpret_cast<Key*>(scratch + l.values[1])};
-  W* weights = reinterpret_cast<W*>(scratch + l.weights);
-  W* sorted_weights = reinterpret_cast<W*>(scratch + l.sorted_weights);
-  Key* starts = reinterpret_cast<Key*>(scratch + l.starts);
-  Key* ends = reinterpret_cast<Key*>(scratch + l.ends);
+  const SortArrays<Key, W> a(l, scratch);
 
   corner_keys_kernel<T, Key, Index, kDims>
       <<<grid_blocks(l.entries, kThreads), kThreads, 0, stream>>>(
-          grid, keys[0], values[0], weights, call, Key(extended), Key(l.sentinel));
+          grid, a.keys[0], a.values[0], a.weights, call, Key(extended), Key(l.sentinel));
   if (auto error = launch_status(op); error.failure()) return error;
-  cub::DoubleBuffer<Key> key_buffers(keys[0], keys[1]);
-  cub::DoubleBuffer<Key> value_buffers(values[0], values[1]);
-  if (auto error = radix_sort_pairs(op, key_buffers, value_buffers, l.entries, l.end_bit,
-                                    scratch + l.sort_temp, l.sort_temp_bytes, stream);
-      error.failure())
+  cub::DoubleBuffer<Key> keys, values;
+  if (auto error = sort_entries(stream, op, l, scratch, a, &keys, &values); error.failure())
     return error;
-  const size_t bounds_bytes = size_t(l.sentinel) * sizeof(Key);
-  for (Key* bounds : {starts, ends})
-    if (auto error = cuda_status(op, cudaMemsetAsync(bounds, 0, bounds_bytes, stream));
-        error.failure())
-      return error;
   corner_segments_kernel<acc_t<T>, 1 << kDims, Key>
       <<<grid_blocks(l.entries, kThreads), kThreads, 0, stream>>>(
-          key_buffers.Current(), value_buffers.Current(), weights, starts, ends, sorted_weights,
+          keys.Current(), values.Current(), a.weights, a.starts, a.ends, a.sorted_weights,
           Key(l.entries), Key(l.sentinel));
   if (auto error = launch_status(op); error.failure()) return error;
+  const Key* starts = a.starts;
+  const Key* ends = a.ends;
+  const W* sorted_weights = a.sorted_weights;
 
-  const Key* sorted_points = value_buffers.Current();
+  const Key* sorted_points = values.Current();
   const int64_t cells = g.batch * g.cells;
   if constexpr (kLayout == GridSampleLayout::kChannelsLast) {
-    corner_gather_channels_last_kernel<T, Key, Index, kDims>
-        <<<grid_blocks(cells * g.channels, kThreads), kThreads, 0, stream>>>(
-            dout, starts, ends, sorted_points, sorted_weights, d_input, call, Key(extended));
+    with_channels_last_group(g.channels, [&](auto group) {
+      constexpr int G = decltype(group)::value;
+      const int64_t groups = (g.channels + G - 1) / G;
+      corner_gather_channels_last_kernel<T, Key, Index, kDims, G>
+          <<<grid_blocks(cells * groups, kThreads), kThreads, 0, stream>>>(
+              dout, starts, ends, sorted_points, sorted_weights, d_input, call, Key(extended));
+    });
   } else {
     const auto gather = [&](auto group) {
       constexpr int G = decltype(group)::value;
