@@ -75,11 +75,13 @@ def roi_align_cases(dtype):
 def grid_sample_cases(dtype):
     # grid_sample: every mode, 4-D and 5-D, coordinates inside, outside, on the borders, NaN,
     # infinite and huge, under each padding; both d_input paths, a vmap over grids, no points;
-    # channels-first and channels-last (the jk_grid_sample_nhwc_* kernels).
+    # channels-first and channels-last (the jk_grid_sample_nhwc_* kernels; 4-D channels-last
+    # with 3 channels, which the deterministic gathers take in one thread per cell).
     specials = [0.3, -1.0, 1.0, -1.7, 2.5, np.nan, np.inf, -np.inf, 1e30, -1e10]
     for rank, data_format in ((4, "NCHW"), (5, "NCHW"), (4, "NHWC"), (5, "NHWC")):
         dims = rank - 2
-        x = rand(2, 5, *((4, 7, 9)[3 - dims:]), dtype=dtype)
+        channels = 3 if (rank, data_format) == (4, "NHWC") else 5
+        x = rand(2, channels, *((4, 7, 9)[3 - dims:]), dtype=dtype)
         if data_format == "NHWC":
             x = jnp.moveaxis(x, 1, -1)
         coords = np.stack(np.meshgrid(*[specials] * dims, indexing="ij"), axis=-1)
