@@ -358,6 +358,13 @@ TENSOR_CORE_GEOMETRIES = [
     ((16, 3, 8, 8), (128, 3, 3, 3), dict(padding=1), True),
     ((4, 3, 32, 32), (8, 3, 5, 5), dict(stride=4, padding=2), True),
     ((4, 2, 20, 20), (8, 2, 5, 5), dict(stride=2, padding=2), False),
+    # The Hopper wgrad (half types, channels a multiple of 64): a reduction split into 29
+    # slices, the last one short; filters off the tile (40), dilation; a 1x1 stride-2 wide
+    # tile; groups of 64 channels (repacked, one launch per group).
+    ((16, 64, 32, 32), (64, 64, 3, 3), dict(padding=1), False),
+    ((2, 128, 15, 16), (40, 128, 3, 3), dict(padding=2, dilation=2), False),
+    ((3, 64, 16, 17), (72, 64, 1, 1), dict(stride=2), True),
+    ((2, 128, 9, 10), (64, 64, 3, 3), dict(padding=1, groups=2), False),
 ]
 
 
@@ -369,9 +376,9 @@ TENSOR_CORE_GEOMETRIES = [
 @pytest.mark.parametrize("geometry", TENSOR_CORE_GEOMETRIES, ids=_id)
 def test_tensor_core_kernel_families_match_float64(monkeypatch, hopper, data_format, dtype,
                                                    geometry):
-    """On a Hopper GPU the forward and unit-stride dgrad run CUTLASS 3.x sm_90a kernels (TMA
-    im2col, WGMMA); JAX_KERNELS_CONV_SM90=0 keeps the Sm80 ones (the Ampere path), read when each
-    call is planned. Both against float64 torch on the same rounded inputs (TF32 for float32:
+    """On a Hopper GPU the forward, unit-stride dgrad and (half types) wgrad run CUTLASS 3.x
+    sm_90a kernels (TMA im2col, WGMMA); JAX_KERNELS_CONV_SM90=0 keeps the Sm80 ones (the Ampere
+    path), read when each call is planned. Both against float64 torch on the same rounded inputs (TF32 for float32:
     1e-3, as test_conv's default-precision test)."""
     monkeypatch.setenv("JAX_KERNELS_CONV_SM90", hopper)
     shape_x, shape_w, options, bias = geometry
@@ -390,3 +397,21 @@ def test_tensor_core_kernel_families_match_float64(monkeypatch, hopper, data_for
         if e is not None:
             assert a.dtype == dtype, name
             assert_close(a, e, rtol_=tolerance), name
+
+
+@needs_torch
+@pytest.mark.skipif(not ON_GPU, reason="the tensor-core kernels run on a GPU")
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_split_wgrad_is_reproducible(dtype):
+    """The weight gradient's split-K slices (Hopper's and the Sm80 kernel's) are reduced in a
+    fixed order: two calls give the same bits, and the result stays close to float64."""
+    shape_x, shape_w, options = (16, 64, 32, 32), (64, 64, 3, 3), dict(padding=1)
+    x, w, _, dy = nhwc_operands(9, shape_x, shape_w, False, dtype, options)
+    grad = jax.jit(jax.grad(lambda w: (jk.conv2d(x, w, data_format="NHWC", **options)
+                                       * dy).astype(jnp.float32).sum()))
+    first, second = np.asarray(grad(w)), np.asarray(grad(w + 0))
+    assert first.tobytes() == second.tobytes()
+    cast = lambda a: a.astype(jnp.float64)
+    expected = torch_nhwc(cast(x), cast(w), None, cast(dy), **options)[2]
+    assert_close(first, expected, rtol_=rtol(dtype))
+

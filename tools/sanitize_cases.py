@@ -158,7 +158,8 @@ def conv2d_nhwc_cases(dtype):
     # channels-last conv2d: the tensor-core path in place (fprop, unit-stride dgrad as fprop,
     # strided dgrad, wgrad), repacked (grouped, channels off the 128-bit access) and on im2col
     # columns (3-channel stems, with the output in place or unpacked), the direct channels-last
-    # stencil, wgrad and bias gradient (depthwise, strided, dilated), per-example weights.
+    # stencil, wgrad and bias gradient (depthwise, strided, dilated), per-example weights,
+    # Hopper's split wgrad.
     for x_shape, w_shape, options in (
             ((2, 9, 9, 16), (3, 3, 16, 16), dict(padding=1)),
             ((2, 11, 10, 16), (3, 3, 16, 32), dict(stride=2, padding=1)),
@@ -171,7 +172,11 @@ def conv2d_nhwc_cases(dtype):
             ((2, 10, 10, 32), (3, 3, 16, 32), dict(padding=1, groups=2)),
             ((2, 17, 18, 3), (7, 7, 3, 16), dict(stride=2, padding=3)),
             ((2, 16, 16, 3), (4, 4, 3, 12), dict(stride=4)),
-            ((2, 12, 12, 24), (3, 3, 24, 20), dict(padding=1))):
+            ((2, 12, 12, 24), (3, 3, 24, 20), dict(padding=1)),
+            # Hopper's split wgrad (half types, 64-channel multiples): 3 slices, the last short,
+            # a wide tile with filters off it; one slice, a narrow tile with 40 filters.
+            ((8, 15, 15, 64), (3, 3, 64, 72), dict(padding=1)),
+            ((4, 12, 13, 64), (3, 3, 64, 40), dict(padding=2, dilation=2))):
         x, w, b = rand(*x_shape, dtype=dtype), rand(*w_shape, dtype=dtype), rand(w_shape[-1], dtype=dtype)
         conv_grad = jax.grad(lambda x, w, b: jnp.sum(
             jk.conv2d(x, w, b, data_format="NHWC", **options).astype(jnp.float32)), argnums=(0, 1, 2))

@@ -61,6 +61,7 @@ using implicit_gemm::Math;
 using implicit_gemm::NhwcConv;
 using implicit_gemm::NhwcKernel;
 using implicit_gemm::TileClass;
+using implicit_gemm::WgradOrder;
 
 // SM count the split heuristics aim at (H100/H200). Fixed rather than queried: the scratch size
 // depends on the split and is computed at trace time, possibly without a GPU.
@@ -308,13 +309,65 @@ int wgrad_split(Math math, const NhwcConv& c, int64_t positions, int64_t element
   return int(std::max<int64_t>(1, std::min(split, k_iterations / kMinKIterationsPerSlice)));
 }
 
-// The kernel family for the planned problem: on Hopper the sm_90a fprop kernel (also unit-stride
-// dgrad's) where it takes the problem, else the Sm80 one; false if neither does.
+#if defined(JAX_KERNELS_HAVE_SM90_CONV)
+int64_t sm90_wgrad_tiles(Math math, const NhwcConv& c) {
+  return with_math(math, [&](auto m) {
+    if constexpr (m() == Math::kFloat16 || m() == Math::kBFloat16)
+      return implicit_gemm::sm90_wgrad_output_tiles<m()>(c);
+    return int64_t(0);
+  });
+}
+
+// The Hopper wgrad kernel's split (implicit_gemm_sm90_wgrad.cuh): one wave of two blocks per
+// nominal SM (a second, partial wave would double the time), slices of at least
+// kMinKIterationsPerSlice / 2 k tiles, and never more than the planned split, which sized the
+// scratch before the kernel family was known. Every slice non-empty: ceil(k_tiles / per).
+int sm90_wgrad_split(Math math, const NhwcConv& c) {
+  const int64_t tiles = sm90_wgrad_tiles(math, c);
+  const int64_t k_tiles = ceil_div(int64_t(c.N) * c.P * c.Q, 64);  // 64 half positions a tile
+  if (tiles <= 0) return 0;
+  int64_t split = std::min<int64_t>({c.split_k, 2 * kNominalSms / tiles,
+                                     k_tiles / (kMinKIterationsPerSlice / 2)});
+  split = std::max<int64_t>(split, 1);
+  return int(ceil_div(k_tiles, ceil_div(k_tiles, split)));
+}
+
+// The Hopper wgrad plan: the wide tile (128 filters) where it fills a wave at its split, else
+// the narrow one (64) if that launches more blocks (e.g. 1x1 64->256 at 56^2: 2 wide tiles x 64
+// slices, 128 blocks, against 4 x 64). False where the kernel does not take the problem.
+bool plan_sm90_wgrad(Math math, NhwcConv* c) {
+  NhwcConv best = *c;
+  best.sm90 = true;
+  best.split_k = sm90_wgrad_split(math, best);
+  if (best.tile == TileClass::kWide) {
+    NhwcConv narrow = *c;
+    narrow.sm90 = true, narrow.tile = TileClass::kNarrow;
+    narrow.split_k = sm90_wgrad_split(math, narrow);
+    const int64_t wide_blocks = sm90_wgrad_tiles(math, best) * best.split_k;
+    const int64_t narrow_blocks = sm90_wgrad_tiles(math, narrow) * narrow.split_k;
+    if (wide_blocks < 2 * kNominalSms && narrow_blocks > wide_blocks && narrow.split_k >= 1 &&
+        can_implement(math, narrow))
+      best = narrow;
+  }
+  if (best.split_k < 1 || !can_implement(math, best)) return false;
+  *c = best;
+  return true;
+}
+#endif
+
+// The kernel family for the planned problem: on Hopper the sm_90a kernels (fprop, also
+// unit-stride dgrad's; wgrad in half types, with its own tile and split) where they take the
+// problem, else the Sm80 one; false if neither does.
 bool choose_kernel(Math math, NhwcConv* c) {
+#if defined(JAX_KERNELS_HAVE_SM90_CONV)
   if (c->kernel == NhwcKernel::kFprop && hopper_kernels() && sm90_math(math)) {
     c->sm90 = true;
     if (!can_implement(math, *c)) c->sm90 = false;
   }
+  if (c->kernel == NhwcKernel::kWgrad && hopper_kernels() &&
+      (math == Math::kFloat16 || math == Math::kBFloat16))
+    plan_sm90_wgrad(math, c);
+#endif
   return can_implement(math, *c);
 }
 
@@ -388,6 +441,11 @@ bool plan_nhwc(const ConvQuery& query, Plan* plan) {
     }
   }
   if (!choose_kernel(plan->math, &c)) return false;
+  // The Hopper wgrad writes channels-last partials in HWIO order: their reduction is then a
+  // streaming sum (wgrad_sum_kernel). OIHW partials would be written one scattered float per
+  // lane by its epilogue (measured slower than the transposing reduction of [K,R,S,C] ones).
+  if (c.sm90 && c.kernel == NhwcKernel::kWgrad && p.layout == ConvLayout::kNHWC)
+    c.wgrad_order = WgradOrder::kRSCK;
   plan->route = Route::kNhwc;
   return true;
 }
@@ -873,6 +931,73 @@ ffi::Error launch_wgrad_reduce(cudaStream_t stream, ConvDtype dtype, const float
   return launch_status("conv2d (wgrad reduction)");
 }
 
+// The Hopper kernel's partials in HWIO order (WgradOrder::kRSCK): per group and slice
+// [R][S][Cgp][Kgp], each weight's filters contiguous as in dw [R][S][Cg][G*Kg]. One thread per
+// 4 consecutive filters (Kg a multiple of 4; else per filter) adds its slices in slice order
+// (reproducible) and writes them: 16-byte loads and 4-element stores, both coalesced.
+struct OrderedReduction {
+  int64_t Kg, Cg, R, S, Kgp, Cgp, groups;
+  int64_t slices, slice_stride, group_stride;
+};
+
+template <class T, class Index, int kWidth>
+__global__ void __launch_bounds__(kLayoutThreads)
+    wgrad_sum_kernel(const float* partials, T* dw, OrderedReduction r) {
+  const Index runs = Index(r.Kg / kWidth), items = Index(r.R * r.S * r.Cg * r.groups) * runs;
+  const GridStride<Index> loop(items, blockDim.x, threadIdx.x);
+  for (Index i = loop.first; i < loop.end; i = loop.next(i)) {
+    const Index k = i % runs * kWidth;
+    Index rest = i / runs;
+    const Index g = rest % Index(r.groups);
+    const Index rsc = rest / Index(r.groups);  // (tap_r * S + s) * Cg + c
+    const Index c = rsc % Index(r.Cg), tap = rsc / Index(r.Cg);
+    const float* p = partials + g * r.group_stride + (tap * r.Cgp + c) * r.Kgp + k;
+    float sum[kWidth] = {};
+    for (int64_t slice = 0; slice < r.slices; ++slice, p += r.slice_stride) {
+      if constexpr (kWidth == 4) {
+        const float4 v = *reinterpret_cast<const float4*>(p);
+        sum[0] += v.x, sum[1] += v.y, sum[2] += v.z, sum[3] += v.w;
+      } else {
+        sum[0] += *p;
+      }
+    }
+    T* out = dw + (rsc * r.groups + g) * r.Kg + k;
+#pragma unroll
+    for (int e = 0; e < kWidth; ++e) out[e] = from_acc<T>(sum[e]);
+  }
+}
+
+template <class T>
+void launch_wgrad_sum_typed(cudaStream_t stream, const float* partials, T* dw,
+                            const OrderedReduction& r) {
+  const bool quads = r.Kg % 4 == 0;  // Kgp and the slice and group strides then are too
+  const int64_t items = r.R * r.S * r.Cg * r.groups * (quads ? r.Kg / 4 : r.Kg);
+  const unsigned blocks = grid_blocks(items, kLayoutThreads);
+  with_index(items * (quads ? 4 : 1) <= INT32_MAX, [&](auto index) {
+    using Index = decltype(index);
+    if (quads)
+      wgrad_sum_kernel<T, Index, 4><<<blocks, kLayoutThreads, 0, stream>>>(partials, dw, r);
+    else
+      wgrad_sum_kernel<T, Index, 1><<<blocks, kLayoutThreads, 0, stream>>>(partials, dw, r);
+  });
+}
+
+ffi::Error launch_wgrad_sum(cudaStream_t stream, ConvDtype dtype, const float* partials, void* dw,
+                            const OrderedReduction& r) {
+  switch (dtype) {
+    case ConvDtype::kFloat16:
+      launch_wgrad_sum_typed(stream, partials, static_cast<float16*>(dw), r);
+      break;
+    case ConvDtype::kBFloat16:
+      launch_wgrad_sum_typed(stream, partials, static_cast<bfloat16*>(dw), r);
+      break;
+    default:
+      launch_wgrad_sum_typed(stream, partials, static_cast<float*>(dw), r);
+      break;
+  }
+  return launch_status("conv2d (wgrad reduction)");
+}
+
 // ---- im2col route (plan_im2col) ------------------------------------------------------------------
 
 // columns[(n, p, q)][(r * S + s) * C + c] = x at (n, c, input_row(p, r), input_col(q, s)), zero
@@ -1200,6 +1325,13 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
         if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
       }
       if (!has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
+      if (c.wgrad_order != WgradOrder::kKRSC) {
+        OrderedReduction r{};
+        r.Kg = Kg, r.Cg = Cg, r.R = p.R, r.S = p.S, r.Kgp = Kgp, r.Cgp = Cgp, r.groups = G;
+        r.slices = c.split_k, r.slice_stride = partial_size;
+        r.group_stride = c.split_k * partial_size;
+        return launch_wgrad_sum(stream, query.dtype, partials, out, r);
+      }
       WgradReduction r{};
       r.Kg = Kg, r.Cg = Cg, r.R = p.R, r.S = p.S, r.Cgp = Cgp;
       r.hwio = hwio, r.groups = G;

@@ -27,8 +27,13 @@ enum class TileClass { kNarrow, kWide };
 enum class NhwcKernel {
   kFprop,         // a = x [N,H,W,C], b = w [K,R,S,C], c = bias [K] or null, d = y [N,P,Q,K]
   kStridedDgrad,  // a = dy [N,P,Q,K], b = w [K,R,S,C], d = dx [N,H,W,C]
-  kWgrad,         // a = dy [N,P,Q,K], b = x [N,H,W,C], d = float32 partials [split_k][K,R,S,C]
+  kWgrad,         // a = dy [N,P,Q,K], b = x [N,H,W,C], d = float32 partials [split_k][wgrad order]
 };
+
+// The order of each wgrad partial's elements: the Sm80 kernel writes [K,R,S,C] (CUTLASS's filter
+// layout); the Hopper kernel may also write HWIO's [R,S,C,K], for channels-last weights, so that
+// their reduction is a streaming sum.
+enum class WgradOrder { kKRSC, kRSCK };
 
 struct NhwcConv {
   NhwcKernel kernel;
@@ -36,8 +41,10 @@ struct NhwcConv {
   int N, H, W, C, K, R, S, P, Q;
   int pad_h, pad_w, stride_h, stride_w, dilation_h, dilation_w;
   int split_k;  // wgrad: slices of N*P*Q, each writing its own partial sum (no atomics); else 1
-  // kFprop only: run the Hopper kernel (implicit_gemm_sm90.cuh) instead of the Sm80 one. The
-  // planner sets it where the device is compute capability 9.0 and the kernel takes the problem.
+  WgradOrder wgrad_order = WgradOrder::kKRSC;  // kWgrad on Hopper only: any; else kKRSC
+  // kFprop, and kWgrad in half types: run the Hopper kernel (implicit_gemm_sm90.cuh) instead of
+  // the Sm80 one. The planner sets it where the device is compute capability 9.0 and the kernel
+  // takes the problem (for kWgrad with a split of its own, at most the planned one).
   bool sm90 = false;
   const void* a;
   const void* b;
@@ -92,11 +99,15 @@ ffi::Error run(const BatchedGemm& gemm, cudaStream_t stream);
 
 // The Hopper kernels (CUTLASS 3.x implicit GEMM: TMA im2col loads, WGMMA; compiled for sm_90a in
 // implicit_gemm_sm90_<math>.cu, when the build targets sm_90): kFprop for float16, bfloat16 and
-// TF32 (not kFloat32x3). Host-only can_implement, as above; run re-checks it with the pointers.
+// TF32 (not kFloat32x3), kWgrad for float16 and bfloat16 (implicit_gemm_sm90_wgrad.cuh).
+// Host-only can_implement, as above; run re-checks it with the pointers. sm90_wgrad_output_tiles:
+// the Hopper wgrad kernel's blocks per split slice (0 for TF32), for the planner's split.
 template <Math M>
 bool sm90_can_implement(const NhwcConv& conv);
 template <Math M>
 ffi::Error sm90_run(const NhwcConv& conv, cudaStream_t stream);
+template <Math M>
+int64_t sm90_wgrad_output_tiles(const NhwcConv& conv);
 
 }  // namespace implicit_gemm
 }  // namespace jax_kernels

@@ -205,9 +205,25 @@ auto with_fprop(const NhwcConv& c, F&& f) {
 }
 
 }  // namespace sm90
+}  // namespace implicit_gemm
+}  // namespace jax_kernels
+
+#include "conv/implicit_gemm_sm90_wgrad.cuh"
+
+namespace jax_kernels {
+namespace implicit_gemm {
 
 template <Math M>
 bool sm90_can_implement(const NhwcConv& conv) {
+  if (conv.kernel == NhwcKernel::kWgrad) {
+    if constexpr (M == Math::kTF32) {
+      return false;
+    } else {
+      return sm90::with_wgrad<M>(conv, [&](auto config) {
+        return sm90::wgrad_can_implement<typename decltype(config)::type>(conv);
+      });
+    }
+  }
   return sm90::with_fprop<M>(conv, [&](auto config) {
     return sm90::fprop_can_implement<typename decltype(config)::type>(conv);
   });
@@ -215,14 +231,35 @@ bool sm90_can_implement(const NhwcConv& conv) {
 
 template <Math M>
 ffi::Error sm90_run(const NhwcConv& conv, cudaStream_t stream) {
+  if (conv.kernel == NhwcKernel::kWgrad) {
+    if constexpr (M == Math::kTF32) {
+      return ffi::Error::Internal("conv2d: no Hopper wgrad kernel for TF32");
+    } else {
+      return sm90::with_wgrad<M>(conv, [&](auto config) {
+        return sm90::wgrad_run<typename decltype(config)::type>(conv, stream);
+      });
+    }
+  }
   return sm90::with_fprop<M>(conv, [&](auto config) {
     return sm90::fprop_run<typename decltype(config)::type>(conv, stream);
   });
 }
 
+template <Math M>
+int64_t sm90_wgrad_output_tiles(const NhwcConv& conv) {
+  if constexpr (M == Math::kTF32) {
+    return 0;
+  } else {
+    return sm90::with_wgrad<M>(conv, [&](auto config) {
+      return sm90::wgrad_output_tiles<typename decltype(config)::type>(conv);
+    });
+  }
+}
+
 #define JK_IMPLICIT_GEMM_SM90_INSTANTIATE(math)              \
   template bool sm90_can_implement<math>(const NhwcConv&); \
-  template ffi::Error sm90_run<math>(const NhwcConv&, cudaStream_t)
+  template ffi::Error sm90_run<math>(const NhwcConv&, cudaStream_t); \
+  template int64_t sm90_wgrad_output_tiles<math>(const NhwcConv&)
 
 }  // namespace implicit_gemm
 }  // namespace jax_kernels
