@@ -123,8 +123,9 @@ inline int upper_padding(int64_t in, int64_t out, int64_t taps, int64_t pad, int
   return span / stride + 1 == out ? int(needed) : -1;
 }
 
+// The problem of either kernel (fprop, wgrad: Config::ProblemShape carries the operator).
 template <class Config>
-typename Config::ProblemShape fprop_problem(const NhwcConv& c) {
+typename Config::ProblemShape conv_problem(const NhwcConv& c) {
   const int pad_bottom = upper_padding(c.H, c.P, c.R, c.pad_h, c.stride_h, c.dilation_h);
   const int pad_right = upper_padding(c.W, c.Q, c.S, c.pad_w, c.stride_w, c.dilation_w);
   return typename Config::ProblemShape(
@@ -137,7 +138,7 @@ template <class Config>
 typename Config::Device::Arguments fprop_arguments(const NhwcConv& c) {
   using E = typename Config::E;
   using Kernel = typename Config::Kernel;
-  const typename Config::ProblemShape problem = fprop_problem<Config>(c);
+  const typename Config::ProblemShape problem = conv_problem<Config>(c);
   typename Kernel::StrideD stride_d{};
   // The output's strides (Q, P, N) from the problem's packed NPQK strides, as CUTLASS's own
   // examples set them.
@@ -160,15 +161,18 @@ typename Config::Device::Arguments fprop_arguments(const NhwcConv& c) {
 // express (its corner offsets; can_implement checks them).
 inline bool aligned(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
+inline bool pointers_and_padding_fit(const NhwcConv& c) {
+  for (const void* p : {c.a, c.b, c.c, static_cast<const void*>(c.d)})
+    if (!aligned(p)) return false;
+  return upper_padding(c.H, c.P, c.R, c.pad_h, c.stride_h, c.dilation_h) >= 0 &&
+         upper_padding(c.W, c.Q, c.S, c.pad_w, c.stride_w, c.dilation_w) >= 0;
+}
+
 template <class Config>
 bool fprop_can_implement(const NhwcConv& c) {
   if (c.kernel != NhwcKernel::kFprop || c.split_k != 1) return false;
   if (c.C % Config::kAlignment || c.K % Config::kAlignment) return false;
-  for (const void* p : {c.a, c.b, c.c, static_cast<const void*>(c.d)})
-    if (!aligned(p)) return false;
-  if (upper_padding(c.H, c.P, c.R, c.pad_h, c.stride_h, c.dilation_h) < 0 ||
-      upper_padding(c.W, c.Q, c.S, c.pad_w, c.stride_w, c.dilation_w) < 0)
-    return false;
+  if (!pointers_and_padding_fit(c)) return false;
   const typename Config::Device::Arguments args = fprop_arguments<Config>(c);
   if (Config::Device::can_implement(args) != cutlass::Status::kSuccess) return false;
   return Config::Device::get_workspace_size(args) == 0;
@@ -177,10 +181,11 @@ bool fprop_can_implement(const NhwcConv& c) {
 inline std::string describe(const NhwcConv& c, const char* what) {
   char text[320];
   std::snprintf(text, sizeof text,
-                "conv2d: CUTLASS sm90 fprop %s for N=%d H=%d W=%d C=%d K=%d R=%d S=%d P=%d Q=%d "
-                "pad=(%d,%d) stride=(%d,%d) dilation=(%d,%d)",
-                what, c.N, c.H, c.W, c.C, c.K, c.R, c.S, c.P, c.Q, c.pad_h, c.pad_w, c.stride_h,
-                c.stride_w, c.dilation_h, c.dilation_w);
+                "conv2d: CUTLASS sm90 %s %s for N=%d H=%d W=%d C=%d K=%d R=%d S=%d P=%d Q=%d "
+                "pad=(%d,%d) stride=(%d,%d) dilation=(%d,%d) split=%d",
+                c.kernel == NhwcKernel::kWgrad ? "wgrad" : "fprop", what, c.N, c.H, c.W, c.C, c.K,
+                c.R, c.S, c.P, c.Q, c.pad_h, c.pad_w, c.stride_h, c.stride_w, c.dilation_h,
+                c.dilation_w, c.split_k);
   return text;
 }
 

@@ -176,22 +176,12 @@ struct WgradConfig {
   using Kernel = SplitWgradKernel<Base>;
 };
 
-template <class Config>
-typename Config::ProblemShape wgrad_problem(const NhwcConv& c) {
-  const int pad_bottom = upper_padding(c.H, c.P, c.R, c.pad_h, c.stride_h, c.dilation_h);
-  const int pad_right = upper_padding(c.W, c.Q, c.S, c.pad_w, c.stride_w, c.dilation_w);
-  return typename Config::ProblemShape(
-      cutlass::conv::Mode::kCrossCorrelation, {c.N, c.H, c.W, c.C}, {c.K, c.R, c.S, c.C},
-      {c.pad_h, c.pad_w}, {pad_bottom, pad_right}, {c.stride_h, c.stride_w},
-      {c.dilation_h, c.dilation_w}, 1);
-}
-
 // a = dy [N,P,Q,K], b = x [N,H,W,C], d = the first slice of the float32 partials (c.wgrad_order).
 template <class Config>
 typename Config::Base::Arguments wgrad_arguments(const NhwcConv& c) {
   using E = typename Config::E;
   using Base = typename Config::Base;
-  const typename Config::ProblemShape problem = wgrad_problem<Config>(c);
+  const typename Config::ProblemShape problem = conv_problem<Config>(c);
   // The partials' strides as the epilogue's (K, (C, S, R)) modes, in the order the planner
   // asked for: [K,R,S,C] or [R,S,C,K], packed.
   const int64_t K = c.K, C = c.C, S = c.S;
@@ -230,31 +220,17 @@ bool wgrad_can_implement(const NhwcConv& c) {
   const int64_t k_tiles = wgrad_k_tiles<Config>(c);
   const int64_t per = (k_tiles + c.split_k - 1) / c.split_k;
   if ((k_tiles + per - 1) / per != c.split_k) return false;
-  for (const void* p : {c.a, c.b, static_cast<const void*>(c.d)})
-    if (!aligned(p)) return false;
-  if (upper_padding(c.H, c.P, c.R, c.pad_h, c.stride_h, c.dilation_h) < 0 ||
-      upper_padding(c.W, c.Q, c.S, c.pad_w, c.stride_w, c.dilation_w) < 0)
-    return false;
+  if (!pointers_and_padding_fit(c)) return false;  // c.c is null
   using Base = typename Config::Base;
   const typename Base::Arguments args = wgrad_arguments<Config>(c);
   return Base::can_implement(args) && Base::get_workspace_size(args) == 0;
-}
-
-inline std::string describe_wgrad(const NhwcConv& c, const char* what) {
-  char text[320];
-  std::snprintf(text, sizeof text,
-                "conv2d: CUTLASS sm90 wgrad %s for N=%d H=%d W=%d C=%d K=%d R=%d S=%d P=%d Q=%d "
-                "pad=(%d,%d) stride=(%d,%d) dilation=(%d,%d) split=%d",
-                what, c.N, c.H, c.W, c.C, c.K, c.R, c.S, c.P, c.Q, c.pad_h, c.pad_w, c.stride_h,
-                c.stride_w, c.dilation_h, c.dilation_w, c.split_k);
-  return text;
 }
 
 template <class Config>
 ffi::Error wgrad_run(const NhwcConv& c, cudaStream_t stream) {
   using Base = typename Config::Base;
   using Kernel = typename Config::Kernel;
-  if (!wgrad_can_implement<Config>(c)) return ffi::Error::Internal(describe_wgrad(c, "rejects"));
+  if (!wgrad_can_implement<Config>(c)) return ffi::Error::Internal(describe(c, "rejects"));
   typename Kernel::Params params;
   // Builds the TMA descriptors on the host (no workspace: checked above).
   params.base = Base::to_underlying_arguments(wgrad_arguments<Config>(c), nullptr);
@@ -269,7 +245,7 @@ ffi::Error wgrad_run(const NhwcConv& c, cudaStream_t stream) {
   if (cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
                            cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
     cudaGetLastError();
-    return ffi::Error::Internal(describe_wgrad(c, "could not set its shared memory size"));
+    return ffi::Error::Internal(describe(c, "could not set its shared memory size"));
   }
   cutlass::device_kernel<Kernel><<<grid, Base::get_block_shape(), smem, stream>>>(params);
   return launch_status("conv2d (CUTLASS sm90 wgrad)");
