@@ -23,8 +23,10 @@
 // that are multiples of the 128-bit access; other channels-last problems are repacked (padded
 // channels, groups apart) the way NCHW ones are transposed.
 // On a Hopper GPU (compute capability 9.0) the forward and unit-stride dgrad kernels are
-// CUTLASS 3.x sm_90a kernels (implicit_gemm_sm90.cuh); everywhere else, and for wgrad, strided
-// dgrad and float32x3, the Sm80 ones (implicit_gemm_kernels.cuh).
+// CUTLASS 3.x sm_90a kernels (implicit_gemm_sm90.cuh), and so is the half types' wgrad, split by
+// a kernel of ours (implicit_gemm_sm90_wgrad.cuh; channels-last partials in HWIO order, summed
+// by wgrad_sum_kernel); everywhere else, and for TF32 wgrad, strided dgrad and float32x3, the
+// Sm80 ones (implicit_gemm_kernels.cuh).
 // Every pass is bitwise reproducible: no atomics anywhere, split-K partials go to separate
 // buffers and are summed in a fixed order.
 //

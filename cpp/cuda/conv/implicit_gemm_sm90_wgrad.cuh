@@ -1,9 +1,10 @@
 // Hopper weight gradient of the tensor-core convolution path: CUTLASS 3.x's sm_90a wgrad mainloop
 // (dy through a tiled TMA, x through the im2col TMA, WGMMA) under a kernel of our own that splits
 // the N*P*Q reduction into fixed slices, one per blockIdx.z, each writing its own float32 partial
-// filter gradient [K,R,S,C]. implicit_gemm.cu reduces the slices in a fixed order, as it does the
-// Sm80 kernel's parallel split-K partials: no atomics, and the result depends on the problem and
-// the split only, never on the SM count or the schedule.
+// filter gradient ([K,R,S,C], or [R,S,C,K] for channels-last weights: NhwcConv::wgrad_order).
+// implicit_gemm.cu reduces the slices in a fixed order, as it does the Sm80 kernel's parallel
+// split-K partials: no atomics, and the result depends on the problem and the split only, never
+// on the SM count or the schedule.
 //
 // Why a kernel of our own: CUTLASS 4.2's sm_90 conv kernel runs every output tile over the whole
 // reduction, and a wgrad's output is small (64 filters x 3x3x64 taps is 9 tiles of 64x64) while
@@ -17,7 +18,6 @@
 // on the Sm80 kernel. Included by implicit_gemm_sm90.cuh.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 
 #include "cutlass/device_kernel.h"
