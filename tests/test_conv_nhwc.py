@@ -91,6 +91,13 @@ LOW_PRECISION = [
     ((2, 6, 13, 19), (6, 1, 7, 7), dict(padding=3, groups=6), True),
     ((1, 4, 9, 21), (8, 1, 5, 5), dict(padding=2, groups=4), False),
     ((2, 32, 8, 8), (32, 16, 3, 3), dict(padding=1, groups=2), False),
+    # depthwise with one filter per channel and an even channel count: the GPU's channel-pair
+    # kernels in half types. 35 pairs (a second block of 32 with 3 live lanes), three column
+    # chunk groups, two row slices, padding past the taps' reach on the columns; 3x3 unpadded
+    # with three images; 7x7 in five row slices of 8.
+    ((2, 70, 17, 37), (70, 1, 5, 5), dict(padding=(2, 3), groups=70), False),
+    ((3, 8, 9, 11), (8, 1, 3, 3), dict(groups=8), True),
+    ((1, 64, 40, 20), (64, 1, 7, 7), dict(padding=3, groups=64), True),
 ]
 
 
@@ -415,3 +422,20 @@ def test_split_wgrad_is_reproducible(dtype):
     expected = torch_nhwc(cast(x), cast(w), None, cast(dy), **options)[2]
     assert_close(first, expected, rtol_=rtol(dtype))
 
+
+
+@needs_torch
+@pytest.mark.skipif(not ON_GPU, reason="the channel-pair kernels run on a GPU")
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_depthwise_pair_wgrad_folds_images(dtype):
+    """The channel-pair depthwise wgrad keeps at most 2^24 float32 partials: with 4096 7x7
+    filters a slice holds two images (90 images, 45 slices). Same bits twice, close to float64."""
+    shape_x, shape_w, options = (90, 4096, 4, 4), (4096, 1, 7, 7), dict(padding=3, groups=4096)
+    x, w, _, dy = nhwc_operands(11, shape_x, shape_w, False, dtype, options)
+    grad = jax.jit(jax.grad(lambda w: (jk.conv2d(x, w, data_format="NHWC", **options)
+                                       * dy).astype(jnp.float32).sum()))
+    first, second = np.asarray(grad(w)), np.asarray(grad(w + 0))
+    assert first.tobytes() == second.tobytes()
+    cast = lambda a: a.astype(jnp.float64)
+    expected = torch_nhwc(cast(x), cast(w), None, cast(dy), **options)[2]
+    assert_close(first, expected, rtol_=rtol(dtype))

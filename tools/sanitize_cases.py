@@ -167,6 +167,7 @@ def conv2d_nhwc_cases(dtype):
             ((2, 14, 14, 8), (7, 7, 1, 8), dict(padding=3, groups=8)),
             ((2, 23, 19, 6), (5, 5, 1, 12), dict(padding=2, groups=6)),
             ((1, 17, 21, 5), (3, 3, 1, 5), dict(padding=1, groups=5)),
+            ((1, 20, 37, 70), (5, 5, 1, 70), dict(padding=(2, 3), groups=70)),
             ((2, 13, 12, 4), (3, 3, 1, 8), dict(stride=2, padding=1, groups=4)),
             ((1, 30, 30, 3), (3, 3, 3, 5), dict(dilation=7, padding=2)),
             ((2, 10, 10, 32), (3, 3, 16, 32), dict(padding=1, groups=2)),

@@ -12,12 +12,17 @@
 //   upsampled (the forward and unit-stride dgrad). Depthwise rows of unit column stride load
 //   each input row segment once into registers for 8 outputs and every column tap; with unit
 //   row stride and 3x3, 5x5 or 7x7 taps, for a block of 4 x 8 outputs and every tap, the
-//   weights in registers.
+//   weights in registers; in half types with one filter per channel, for a block of 4 x 4
+//   outputs of two channels (4-byte channel pairs: 128 bytes per warp load).
 // - Wgrad: the N*P*Q reduction is cut into slices fixed by the shapes (never by the device); a
 //   thread sums one weight element over one slice into the scratch buffer, and a second kernel
 //   adds the slices in order. Depthwise rows (unit column stride and dilation) cut the N*P output
 //   rows instead, and a thread sums a whole row of taps of one filter from register windows of
-//   dy and x. No atomics: bitwise reproducible on every GPU.
+//   dy and x; in half types with one filter per channel, unit strides and square 3x3/5x5/7x7
+//   taps, a thread takes a channel pair and 4 output columns and walks the input rows once,
+//   every tap's products from a register window of dy rows (wgrad_pairs_nhwc_kernel). The slices
+//   are added in a fixed order by slice_sum_kernel. No atomics: bitwise reproducible on every
+//   GPU.
 // The bias gradient of both layouts is in bias_gradient.cu.
 // Indices are 64-bit throughout (grid-stride loops over int64 counts).
 #include <algorithm>
@@ -243,6 +248,137 @@ void launch_depthwise_block(cudaStream_t stream, const T* source, const T* weigh
       source, weight, bias, out, s);
 }
 
+// Channel pairs (float16/bfloat16 depthwise blocks with one filter per channel and an even channel
+// count): a thread computes the same block as depthwise_block_nhwc_kernel, kBlockRows x
+// kPairColumns outputs, for two adjacent channels, and loads each source position and weight as
+// one 4-byte pair: a warp reads 128 contiguous bytes per load instead of 64, and half the loads.
+// The columns' bounds are tested once (a mask) and a row's pairs are reached by pointer steps,
+// the next source row's pairs loaded before the current row's products. The sums are the block
+// kernel's, in its order, so both give the same bits.
+constexpr int kPairColumns = 4;
+constexpr int kPairThreads = 128;
+
+template <class T>
+__device__ __forceinline__ void unpack_pair(uint32_t u, float& lo, float& hi) {
+  lo = to_acc(T{uint16_t(u & 0xffffu)});
+  hi = to_acc(T{uint16_t(u >> 16)});
+}
+
+template <class T>
+__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
+  return uint32_t(from_acc<T>(lo).bits) | uint32_t(from_acc<T>(hi).bits) << 16;
+}
+
+template <class T>
+__device__ __forceinline__ uint32_t load_pair(const T* p) {
+  return __ldg(reinterpret_cast<const unsigned int*>(p));
+}
+
+// Pairs apply to depthwise blocks of half types with one filter per channel, an even number of
+// channels, channels innermost and each channel pair's weights adjacent (HWIO: every pair is
+// 4-byte aligned).
+template <class T>
+bool depthwise_pairs(const NhwcStencil& s) {
+  return is_half_type<T>() && depthwise_block_taps(s) != 0 && s.in_per_group == 1 &&
+         s.out_per_group == 1 && s.groups % 2 == 0 && s.source_at.b == 1 && s.out_at.b == 1 &&
+         s.weights.group == 1 && s.weights.origin % 2 == 0;
+}
+
+template <class T, int kTaps>
+__global__ void __launch_bounds__(kPairThreads)
+    depthwise_pairs_nhwc_kernel(const T* __restrict__ source, const T* __restrict__ weight,
+                                const T* __restrict__ bias, T* __restrict__ out, NhwcStencil s) {
+  constexpr int kSpan = kPairColumns + kTaps - 1;
+  constexpr int kSourceRows = kBlockRows + kTaps - 1;
+  const int64_t pairs = s.groups / 2;
+  const int64_t column_blocks = ceil_div(s.cols.out, kPairColumns);
+  const int64_t row_blocks = ceil_div(s.rows.out, kBlockRows);
+  const int64_t total = s.N * row_blocks * column_blocks * pairs;
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t c0 = idx % pairs * 2;
+    int64_t rest = idx / pairs;
+    const int64_t x0 = rest % column_blocks * kPairColumns;
+    rest /= column_blocks;
+    const int64_t y0 = rest % row_blocks * kBlockRows;
+    const int64_t n = rest / row_blocks;
+    float w[kTaps][kTaps][2];
+    const T* w_row = weight + s.weights.offset(c0, 0, 0, 0, 0);
+#pragma unroll
+    for (int r = 0; r < kTaps; ++r, w_row += s.weights.row) {
+      const T* w_tap = w_row;
+#pragma unroll
+      for (int t = 0; t < kTaps; ++t, w_tap += s.weights.col)
+        unpack_pair<T>(load_pair(w_tap), w[r][t][0], w[r][t][1]);
+    }
+    float sum[kBlockRows][kPairColumns][2];
+    const float start0 = bias != nullptr ? to_acc(bias[c0]) : 0.f;
+    const float start1 = bias != nullptr ? to_acc(bias[c0 + 1]) : 0.f;
+#pragma unroll
+    for (int j = 0; j < kBlockRows; ++j)
+#pragma unroll
+      for (int x = 0; x < kPairColumns; ++x) sum[j][x][0] = start0, sum[j][x][1] = start1;
+    const int64_t first_row = s.rows.position(y0, 0), first_col = s.cols.position(x0, 0);
+    uint32_t columns_in = 0;  // bit k: source column first_col + k lies inside
+#pragma unroll
+    for (int k = 0; k < kSpan; ++k)
+      columns_in |= uint32_t(first_col + k >= 0 && first_col + k < s.cols.source) << k;
+    const T* segment = source + s.source_at.at(n, c0, 0, 0) + first_col * s.source_at.d;
+    // The pairs of source row u of the block (zeros outside the source).
+    const auto load_row = [&](int u, uint32_t(&raw)[kSpan]) {
+      const int64_t sy = first_row + u;
+      const bool live = sy >= 0 && sy < s.rows.source;
+      const T* at = segment + sy * s.source_at.c;
+#pragma unroll
+      for (int k = 0; k < kSpan; ++k, at += s.source_at.d)
+        raw[k] = live && (columns_in >> k & 1u) ? load_pair(at) : 0u;
+    };
+    uint32_t next[kSpan];
+    load_row(0, next);
+#pragma unroll
+    for (int u = 0; u < kSourceRows; ++u) {
+      float window[kSpan][2];
+#pragma unroll
+      for (int k = 0; k < kSpan; ++k) unpack_pair<T>(next[k], window[k][0], window[k][1]);
+      if (u + 1 < kSourceRows) load_row(u + 1, next);
+      const int64_t sy = first_row + u;
+      if (sy < 0 || sy >= s.rows.source) continue;  // as the block kernel: no products
+#pragma unroll
+      for (int j = 0; j < kBlockRows; ++j) {
+        const int r = u - j;  // output row y0 + j reads this row at row tap r
+        if (r < 0 || r >= kTaps) continue;
+#pragma unroll
+        for (int t = 0; t < kTaps; ++t)
+#pragma unroll
+          for (int x = 0; x < kPairColumns; ++x) {
+            sum[j][x][0] += w[r][t][0] * window[x + t][0];
+            sum[j][x][1] += w[r][t][1] * window[x + t][1];
+          }
+      }
+    }
+    const int columns = int(min(int64_t(kPairColumns), s.cols.out - x0));
+#pragma unroll
+    for (int j = 0; j < kBlockRows; ++j) {
+      if (y0 + j >= s.rows.out) break;
+      T* dst = out + s.out_at.at(n, c0, y0 + j, x0);
+#pragma unroll
+      for (int x = 0; x < kPairColumns; ++x)
+        if (x < columns)
+          *reinterpret_cast<uint32_t*>(dst + x * s.out_at.d) =
+              pack_pair<T>(sum[j][x][0], sum[j][x][1]);
+    }
+  }
+}
+
+template <class T, int kTaps>
+void launch_depthwise_pairs(cudaStream_t stream, const T* source, const T* weight, const T* bias,
+                            T* out, const NhwcStencil& s) {
+  const int64_t items = s.N * ceil_div(s.rows.out, kBlockRows) *
+                        ceil_div(s.cols.out, kPairColumns) * (s.groups / 2);
+  depthwise_pairs_nhwc_kernel<T, kTaps>
+      <<<grid_blocks(items, kPairThreads), kPairThreads, 0, stream>>>(source, weight, bias, out, s);
+}
+
 // Depthwise rows of the wgrad (one input channel per group, unit column stride and dilation, at
 // most kMaxTaps column taps): see wgrad_rows_nhwc_kernel.
 bool depthwise_rows_wgrad(const ConvProblem& p) {
@@ -250,21 +386,267 @@ bool depthwise_rows_wgrad(const ConvProblem& p) {
          p.S <= kMaxTaps;
 }
 
+// Channel-pair wgrad: depthwise convolutions of half types with one filter per channel, an even
+// channel count, unit strides and dilations and kTaps x kTaps taps (3, 5, 7). A block is 32
+// lanes of channel pairs (consecutive pairs: a warp's loads are 128 contiguous bytes) x
+// kPairWarps warps, each a chunk of kPairColumns output columns; it walks the rows of its slice
+// (images [n0, n1), output rows [y0, y1), kPairWarps chunks) input row by input row. At input row
+// iy, the thread holds the dy rows iy + pad - r of its chunk for every row tap r (a window of
+// kTaps rows, zeros outside the slice) and the x row segment they meet, and adds all kTaps x
+// kTaps x kPairColumns products per channel: 2 * kTaps^2 * kPairColumns products per
+// kPairColumns + kTaps - 1 + kPairColumns 4-byte loads, the next row's loads issued before the
+// products, the columns' bounds tested once (masks). The block then adds its warps' sums in warp
+// order (shared memory) and writes one partial per weight element and slice; slice_sum_kernel
+// adds the slices in order. Each weight's terms: images, then rows, then columns, in order.
+constexpr int kPairWarps = 4;
+constexpr int kPairSliceRows = 8;           // rows cut only down to this many per slice
+constexpr int64_t kPairTargetBlocks = 512;  // row slices are cut until this many blocks
+
+struct PairWgrad {
+  int64_t pairs, pair_groups, chunk_groups;
+  int64_t row_slices, rows_per_slice, image_groups, images_per_slice;
+  int64_t blocks;  // slices * pair_groups
+};
+
+template <class T>
+bool pair_wgrad_applies(const ConvProblem& p) {
+  return is_half_type<T>() && p.channels_per_group() == 1 && p.filters_per_group() == 1 &&
+         p.K % 2 == 0 && p.stride_h == 1 && p.stride_w == 1 && p.dilation_h == 1 &&
+         p.dilation_w == 1 && p.R == p.S && (p.R == 3 || p.R == 5 || p.R == 7) &&
+         p.layout == ConvLayout::kNHWC;
+}
+
+// The slices: images x row slices x column chunk groups, fixed by the shapes. Row slices are cut
+// until kPairTargetBlocks blocks (down to kPairSliceRows rows); images are folded into slices
+// when the partials would pass 2^24 floats (a block then walks several images).
+PairWgrad pair_wgrad_plan(const ConvProblem& p, int64_t weights) {
+  PairWgrad w{};
+  w.pairs = p.K / 2;
+  w.pair_groups = ceil_div(w.pairs, 32);
+  w.chunk_groups = ceil_div(p.Q, int64_t(kPairColumns * kPairWarps));
+  const int64_t base = p.N * w.pair_groups * w.chunk_groups;
+  w.row_slices = std::min(std::max<int64_t>(1, ceil_div(kPairTargetBlocks, base)),
+                          std::max<int64_t>(1, p.P / kPairSliceRows));
+  w.rows_per_slice = ceil_div(p.P, w.row_slices);
+  w.row_slices = ceil_div(p.P, w.rows_per_slice);
+  const int64_t per_image = w.row_slices * w.chunk_groups;
+  const int64_t groups =
+      std::max<int64_t>(1, ((int64_t(1) << 24) / std::max<int64_t>(1, weights)) / per_image);
+  w.images_per_slice = ceil_div(p.N, std::min(p.N, groups));
+  w.image_groups = ceil_div(p.N, w.images_per_slice);
+  w.blocks = w.image_groups * per_image * w.pair_groups;
+  return w;
+}
+
+template <class T, int kTaps>
+__global__ void __launch_bounds__(kPairWarps * 32)
+    wgrad_pairs_nhwc_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                            float* __restrict__ partial, ConvProblem p, PairWgrad w) {
+  constexpr int kSpan = kPairColumns + kTaps - 1;
+  __shared__ float staged[kPairWarps][kTaps][64];
+  const int lane = int(threadIdx.x % 32), warp = int(threadIdx.x / 32);
+  const TensorStrides xs = p.input_strides(), ys = p.output_strides();
+  const int64_t weights = p.R * p.S * p.K;
+  for (int64_t b = blockIdx.x; b < w.blocks; b += gridDim.x) {  // uniform over the block
+    const int64_t pair_group = b % w.pair_groups;
+    const int64_t slice = b / w.pair_groups;
+    const int64_t chunk_group = slice % w.chunk_groups;
+    const int64_t row_slice = slice / w.chunk_groups % w.row_slices;
+    const int64_t image_group = slice / (w.chunk_groups * w.row_slices);
+    const int64_t pair = pair_group * 32 + lane;
+    const bool live = pair < w.pairs;
+    const int64_t c0 = 2 * pair;
+    const int64_t q0 = (chunk_group * kPairWarps + warp) * kPairColumns;
+    const int64_t y0 = row_slice * w.rows_per_slice;
+    const int64_t y1 = std::min(y0 + w.rows_per_slice, p.P);
+    const int64_t n0 = image_group * w.images_per_slice;
+    const int64_t n1 = std::min(n0 + w.images_per_slice, p.N);
+    // Bit k: x column q0 - pad_left + k (dy column q0 + k) lies inside, for a live lane.
+    uint32_t x_cols = 0, dy_cols = 0;
+#pragma unroll
+    for (int k = 0; k < kSpan; ++k) {
+      const int64_t ix = p.input_col(q0, 0) + k;
+      x_cols |= uint32_t(live && ix >= 0 && ix < p.W) << k;
+    }
+#pragma unroll
+    for (int k = 0; k < kPairColumns; ++k) dy_cols |= uint32_t(live && q0 + k < p.Q) << k;
+    float acc[kTaps][kTaps][2];
+#pragma unroll
+    for (int r = 0; r < kTaps; ++r)
+#pragma unroll
+      for (int s = 0; s < kTaps; ++s) acc[r][s][0] = acc[r][s][1] = 0.f;
+    const int64_t steps = (y1 - y0) + kTaps - 1;  // input rows y0 - pad .. y1 - 1 - pad + R - 1
+    for (int64_t n = n0; n < n1; ++n) {
+      const T* x_segment = x + n * xs.a + c0 + p.input_col(q0, 0) * xs.d;
+      const T* dy_segment = dy + n * ys.a + c0 + q0 * ys.d;
+      // The pairs of step i: x row y0 - pad + i and dy row y0 + i, zeros outside the tensors
+      // and the slice.
+      const auto load_step = [&](int64_t i, uint32_t(&raw_x)[kSpan],
+                                 uint32_t(&raw_dy)[kPairColumns]) {
+        const int64_t iy = p.input_row(y0 + i, 0), y = y0 + i;
+        const bool x_live = iy >= 0 && iy < p.H, dy_live = y < y1;
+        const T* at = x_segment + iy * xs.c;
+#pragma unroll
+        for (int k = 0; k < kSpan; ++k, at += xs.d)
+          raw_x[k] = x_live && (x_cols >> k & 1u) ? load_pair(at) : 0u;
+        at = dy_segment + y * ys.c;
+#pragma unroll
+        for (int k = 0; k < kPairColumns; ++k, at += ys.d)
+          raw_dy[k] = dy_live && (dy_cols >> k & 1u) ? load_pair(at) : 0u;
+      };
+      float window[kTaps][kPairColumns][2];  // slot i % kTaps: dy row y0 + i
+#pragma unroll
+      for (int r = 0; r < kTaps; ++r)
+#pragma unroll
+        for (int k = 0; k < kPairColumns; ++k) window[r][k][0] = window[r][k][1] = 0.f;
+      uint32_t raw_x[kSpan], raw_dy[kPairColumns];
+      load_step(0, raw_x, raw_dy);
+      for (int64_t step = 0; step < steps; step += kTaps) {
+#pragma unroll
+        for (int phase = 0; phase < kTaps; ++phase) {
+          const int64_t i = step + phase;
+          if (i >= steps) break;
+          float xv[kSpan][2];
+#pragma unroll
+          for (int k = 0; k < kSpan; ++k) unpack_pair<T>(raw_x[k], xv[k][0], xv[k][1]);
+#pragma unroll
+          for (int k = 0; k < kPairColumns; ++k)
+            unpack_pair<T>(raw_dy[k], window[phase][k][0], window[phase][k][1]);
+          if (i + 1 < steps) load_step(i + 1, raw_x, raw_dy);
+          // Row tap r pairs this x row with dy row y0 + i - r, in slot (phase - r) mod kTaps.
+#pragma unroll
+          for (int r = 0; r < kTaps; ++r) {
+            const int slot = (phase - r + kTaps) % kTaps;
+#pragma unroll
+            for (int s = 0; s < kTaps; ++s)
+#pragma unroll
+              for (int k = 0; k < kPairColumns; ++k) {
+                acc[r][s][0] += window[slot][k][0] * xv[k + s][0];
+                acc[r][s][1] += window[slot][k][1] * xv[k + s][1];
+              }
+          }
+        }
+      }
+    }
+    // Add the warps' sums in warp order, one row tap at a time; write partial[slice][e], e =
+    // (r * S + s) * K + k (HWIO).
+    float* out = partial + slice * weights + pair_group * 64;
+    const int64_t channels = std::min<int64_t>(64, p.K - pair_group * 64);
+#pragma unroll
+    for (int r = 0; r < kTaps; ++r) {
+#pragma unroll
+      for (int s = 0; s < kTaps; ++s) {
+        staged[warp][s][2 * lane] = acc[r][s][0];
+        staged[warp][s][2 * lane + 1] = acc[r][s][1];
+      }
+      __syncthreads();
+      for (int item = int(threadIdx.x); item < kTaps * 64; item += kPairWarps * 32) {
+        const int s = item / 64, c = item % 64;
+        if (c >= channels) continue;
+        float sum = staged[0][s][c];
+#pragma unroll
+        for (int v = 1; v < kPairWarps; ++v) sum += staged[v][s][c];
+        out[(r * kTaps + s) * p.K + c] = sum;
+      }
+      __syncthreads();
+    }
+  }
+}
+
+template <class T, int kTaps>
+void launch_wgrad_pairs(cudaStream_t stream, const T* dy, const T* x, float* partial,
+                        const ConvProblem& p, const PairWgrad& w) {
+  const unsigned blocks = unsigned(std::min<int64_t>(w.blocks, 0x7fffffff));
+  wgrad_pairs_nhwc_kernel<T, kTaps><<<blocks, kPairWarps * 32, 0, stream>>>(dy, x, partial, p, w);
+}
+
+// out[e] = the sum of partial[slice * count + e] over the slices, in a fixed order: warp v of a
+// block adds its run of slices [v * per_run, (v + 1) * per_run) in order for 32 items of kWidth
+// elements, then the runs are added in run order (shared memory). Every thread of a small output
+// with many slices works, and the order depends on the slice count only.
+constexpr int kSumRuns = 8;
+
+template <class T, int kWidth>
+__global__ void __launch_bounds__(kSumRuns * 32)
+    slice_sum_kernel(const acc_t<T>* __restrict__ partial, T* __restrict__ out, int64_t count,
+                     int64_t slices, int64_t per_run) {
+  using A = acc_t<T>;
+  __shared__ A runs[kSumRuns][32][kWidth];
+  const int lane = int(threadIdx.x % 32), run = int(threadIdx.x / 32);
+  const int64_t items = count / kWidth;
+  const int64_t first = run * per_run, last = std::min(first + per_run, slices);
+  for (int64_t base = int64_t(blockIdx.x) * 32; base < items; base += int64_t(gridDim.x) * 32) {
+    const int64_t item = base + lane;
+    A sum[kWidth] = {};
+    if (item < items) {
+      const A* p = partial + first * count + item * kWidth;
+      for (int64_t slice = first; slice < last; ++slice, p += count) {
+        if constexpr (kWidth == 4) {
+          const float4 v = *reinterpret_cast<const float4*>(p);
+          sum[0] += v.x, sum[1] += v.y, sum[2] += v.z, sum[3] += v.w;
+        } else {
+          sum[0] += *p;
+        }
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < kWidth; ++e) runs[run][lane][e] = sum[e];
+    __syncthreads();
+    if (run == 0 && item < items) {
+#pragma unroll
+      for (int e = 0; e < kWidth; ++e) {
+        A total = runs[0][lane][e];
+        for (int v = 1; v < kSumRuns && v * per_run < slices; ++v) total += runs[v][lane][e];
+        out[item * kWidth + e] = from_acc<T>(total);
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// dw = the ordered sum of `slices` partials of `count` elements (dw's HWIO order); float4 loads
+// where the partials are float and count a multiple of 4 (the scratch is 16-byte aligned).
+template <class T>
+void launch_slice_sum(cudaStream_t stream, const acc_t<T>* partial, T* dw, int64_t count,
+                      int64_t slices) {
+  const int64_t per_run = std::max<int64_t>(1, ceil_div(slices, int64_t(kSumRuns)));
+  if constexpr (std::is_same_v<acc_t<T>, float>) {
+    if (count % 4 == 0) {
+      slice_sum_kernel<T, 4><<<grid_blocks(ceil_div(count / 4, 32), 1), kSumRuns * 32, 0,
+                               stream>>>(partial, dw, count, slices, per_run);
+      return;
+    }
+  }
+  slice_sum_kernel<T, 1><<<grid_blocks(ceil_div(count, 32), 1), kSumRuns * 32, 0, stream>>>(
+      partial, dw, count, slices, per_run);
+}
+
 // The slices of the wgrad reduction, fixed by the shapes (never by the device). The general
 // kernel cuts the N*P*Q output positions (`positions`) into slices of at least 64, about 2^20
 // threads in all; the depthwise rows kernel cuts the N*P output rows into slices of at least 2
-// rows, about 2^18 threads (a thread per (slice, tap row, filter)). Both keep at most 2^24
-// partial sums (bounds the scratch): partial[slice][e], e the HWIO weight element. weights or
+// rows, about 2^18 threads (a thread per (slice, tap row, filter)); the channel-pair kernel as
+// pair_wgrad_plan says. All keep at most 2^24 partial sums (bounds the scratch) where the weights
+// allow: partial[slice][e], e the HWIO weight element (dw's own order). weights or
 // positions is -1 (and slices 0) when it cannot be represented (only the scratch query sees such
 // a problem).
 struct WgradSlices {
   int64_t weights, positions, per_slice, slices;
-  bool rows;  // the depthwise rows kernel: positions are output rows (n, y)
+  bool rows;   // the depthwise rows kernel: positions are output rows (n, y)
+  bool pairs;  // the channel-pair kernel: slices as `pair` says
+  PairWgrad pair;
 };
 
+template <class T>
 WgradSlices wgrad_slices(const ConvProblem& p) {
   WgradSlices w{};
   w.weights = checked_product({p.K, p.channels_per_group(), p.R, p.S});
+  if (w.weights > 0 && p.N > 0 && p.P > 0 && p.Q > 0 && pair_wgrad_applies<T>(p)) {
+    w.pairs = true;
+    w.pair = pair_wgrad_plan(p, w.weights);
+    w.positions = p.N * p.P;
+    w.slices = w.pair.blocks / w.pair.pair_groups;
+    return w;
+  }
   w.rows = depthwise_rows_wgrad(p);
   w.positions = w.rows ? checked_mul(p.N, p.P) : checked_product({p.N, p.P, p.Q});
   if (w.weights <= 0 || w.positions <= 0 || p.Q <= 0) return w;
@@ -382,26 +764,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <class T>
-__global__ void __launch_bounds__(kThreads)
-    wgrad_nhwc_reduce_kernel(const acc_t<T>* __restrict__ partial, T* __restrict__ dw,
-                             ConvProblem p, WgradSlices w) {
-  using A = acc_t<T>;
-  const TensorStrides ws = p.filter_strides();
-  const int64_t Cg = p.channels_per_group();
-  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < w.weights;
-       e += int64_t(gridDim.x) * blockDim.x) {
-    A sum = w.slices > 0 ? partial[e] : A(0);
-    for (int64_t slice = 1; slice < w.slices; ++slice) sum += partial[slice * w.weights + e];
-    const int64_t k = e % p.K;
-    int64_t rest = e / p.K;
-    const int64_t c = rest % Cg;
-    rest /= Cg;
-    const int64_t s = rest % p.S, r = rest / p.S;
-    dw[ws.at(k, c, r, s)] = from_acc<T>(sum);
-  }
-}
-
 }  // namespace
 
 NhwcStencil forward_nhwc(const ConvProblem& p) {
@@ -437,6 +799,15 @@ ffi::Error run_stencil_nhwc(cudaStream_t stream, const char* op, const T* source
                             const T* bias, T* out, const NhwcStencil& s) {
   if (s.N * s.rows.out * s.cols.out * s.groups * s.out_per_group == 0)
     return ffi::Error::Success();
+  if constexpr (is_half_type<T>()) {
+    if (depthwise_pairs<T>(s)) {
+      switch (depthwise_block_taps(s)) {
+        case 3: launch_depthwise_pairs<T, 3>(stream, source, weight, bias, out, s); return launch_status(op);
+        case 5: launch_depthwise_pairs<T, 5>(stream, source, weight, bias, out, s); return launch_status(op);
+        default: launch_depthwise_pairs<T, 7>(stream, source, weight, bias, out, s); return launch_status(op);
+      }
+    }
+  }
   if constexpr (!std::is_same_v<T, double>) {
     switch (depthwise_block_taps(s)) {
       case 3: launch_depthwise_block<T, 3>(stream, source, weight, bias, out, s); return launch_status(op);
@@ -464,7 +835,7 @@ ffi::Error run_stencil_nhwc(cudaStream_t stream, const char* op, const T* source
 
 template <class T>
 int64_t wgrad_nhwc_scratch_bytes(const ConvProblem& p) {
-  const WgradSlices w = wgrad_slices(p);
+  const WgradSlices w = wgrad_slices<T>(p);
   if (w.weights < 0 || w.positions < 0) return -1;
   ScratchLayout layout;
   layout.take(checked_product({w.slices, w.weights, int64_t(sizeof(acc_t<T>))}));
@@ -474,26 +845,33 @@ int64_t wgrad_nhwc_scratch_bytes(const ConvProblem& p) {
 template <class T>
 ffi::Error run_wgrad_nhwc(cudaStream_t stream, const T* dy, const T* x, T* dw,
                           const ConvProblem& p, void* scratch, int64_t scratch_bytes) {
-  const WgradSlices w = wgrad_slices(p);
+  const WgradSlices w = wgrad_slices<T>(p);
   if (w.weights == 0) return ffi::Error::Success();
   if (w.slices == 0) {  // no output positions: dw is zero (reads no partials)
-    wgrad_nhwc_reduce_kernel<T><<<grid_blocks(w.weights, kThreads), kThreads, 0, stream>>>(
-        nullptr, dw, p, w);
+    launch_slice_sum<T>(stream, nullptr, dw, w.weights, 0);
     return launch_status("conv2d wgrad");
   }
   const int64_t needed = wgrad_nhwc_scratch_bytes<T>(p);
   if (needed < 0 || scratch_bytes < needed || scratch == nullptr)
     return ffi::Error::InvalidArgument("conv2d wgrad: scratch buffer too small");
   auto* partial = reinterpret_cast<acc_t<T>*>(aligned_scratch(scratch));
-  if (w.rows)
+  if (w.pairs) {
+    if constexpr (is_half_type<T>()) {
+      switch (p.R) {
+        case 3: launch_wgrad_pairs<T, 3>(stream, dy, x, partial, p, w.pair); break;
+        case 5: launch_wgrad_pairs<T, 5>(stream, dy, x, partial, p, w.pair); break;
+        default: launch_wgrad_pairs<T, 7>(stream, dy, x, partial, p, w.pair); break;
+      }
+    }
+  } else if (w.rows) {
     wgrad_rows_nhwc_kernel<T><<<grid_blocks(w.slices * p.R * p.K, kThreads), kThreads, 0,
                                 stream>>>(dy, x, partial, p, w);
-  else
+  } else {
     wgrad_nhwc_partial_kernel<T><<<grid_blocks(w.slices * w.weights, kThreads), kThreads, 0,
                                    stream>>>(dy, x, partial, p, w);
+  }
   if (ffi::Error e = launch_status("conv2d wgrad"); e.failure()) return e;
-  wgrad_nhwc_reduce_kernel<T><<<grid_blocks(w.weights, kThreads), kThreads, 0, stream>>>(
-      partial, dw, p, w);
+  launch_slice_sum<T>(stream, partial, dw, w.weights, w.slices);
   return launch_status("conv2d wgrad (reduction)");
 }
 
