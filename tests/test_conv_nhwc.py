@@ -406,36 +406,50 @@ def test_tensor_core_kernel_families_match_float64(monkeypatch, hopper, data_for
             assert_close(a, e, rtol_=tolerance), name
 
 
+def assert_wgrad_reproducible(seed, shape_x, shape_w, options, dtype, reference=None):
+    """Two calls of the weight gradient give the same bits, close to float64 (torch, or
+    reference(x, dy) on float64 NumPy arrays)."""
+    x, w, _, dy = nhwc_operands(seed, shape_x, shape_w, False, dtype, options)
+    grad = jax.jit(jax.grad(lambda w: (jk.conv2d(x, w, data_format="NHWC", **options)
+                                       * dy).astype(jnp.float32).sum()))
+    first, second = np.asarray(grad(w)), np.asarray(grad(w + 0))
+    assert first.tobytes() == second.tobytes()
+    cast = lambda a: a.astype(jnp.float64)
+    if reference is None:
+        expected = torch_nhwc(cast(x), cast(w), None, cast(dy), **options)[2]
+    else:
+        expected = reference(np.asarray(cast(x)), np.asarray(cast(dy)))
+    assert_close(first, expected, rtol_=rtol(dtype))
+
+
 @needs_torch
 @pytest.mark.skipif(not ON_GPU, reason="the tensor-core kernels run on a GPU")
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_split_wgrad_is_reproducible(dtype):
     """The weight gradient's split-K slices (Hopper's and the Sm80 kernel's) are reduced in a
     fixed order: two calls give the same bits, and the result stays close to float64."""
-    shape_x, shape_w, options = (16, 64, 32, 32), (64, 64, 3, 3), dict(padding=1)
-    x, w, _, dy = nhwc_operands(9, shape_x, shape_w, False, dtype, options)
-    grad = jax.jit(jax.grad(lambda w: (jk.conv2d(x, w, data_format="NHWC", **options)
-                                       * dy).astype(jnp.float32).sum()))
-    first, second = np.asarray(grad(w)), np.asarray(grad(w + 0))
-    assert first.tobytes() == second.tobytes()
-    cast = lambda a: a.astype(jnp.float64)
-    expected = torch_nhwc(cast(x), cast(w), None, cast(dy), **options)[2]
-    assert_close(first, expected, rtol_=rtol(dtype))
+    assert_wgrad_reproducible(9, (16, 64, 32, 32), (64, 64, 3, 3), dict(padding=1), dtype)
 
 
+def depthwise_wgrad_numpy(x, dy, taps, pad):
+    """dw [taps, taps, 1, C] of a unit-stride depthwise conv, NHWC x and dy, float64."""
+    N, H, W, C = x.shape
+    P, Q = dy.shape[1:3]
+    padded = np.zeros((N, H + 2 * pad + taps, W + 2 * pad + taps, C))
+    padded[:, pad:pad + H, pad:pad + W] = x
+    dw = np.empty((taps, taps, 1, C))
+    for r in range(taps):
+        for s in range(taps):
+            dw[r, s, 0] = np.einsum("npqc,npqc->c", dy, padded[:, r:r + P, s:s + Q])
+    return dw
 
-@needs_torch
+
 @pytest.mark.skipif(not ON_GPU, reason="the channel-pair kernels run on a GPU")
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_depthwise_pair_wgrad_folds_images(dtype):
     """The channel-pair depthwise wgrad keeps at most 2^24 float32 partials: with 4096 7x7
-    filters a slice holds two images (90 images, 45 slices). Same bits twice, close to float64."""
-    shape_x, shape_w, options = (90, 4096, 4, 4), (4096, 1, 7, 7), dict(padding=3, groups=4096)
-    x, w, _, dy = nhwc_operands(11, shape_x, shape_w, False, dtype, options)
-    grad = jax.jit(jax.grad(lambda w: (jk.conv2d(x, w, data_format="NHWC", **options)
-                                       * dy).astype(jnp.float32).sum()))
-    first, second = np.asarray(grad(w)), np.asarray(grad(w + 0))
-    assert first.tobytes() == second.tobytes()
-    cast = lambda a: a.astype(jnp.float64)
-    expected = torch_nhwc(cast(x), cast(w), None, cast(dy), **options)[2]
-    assert_close(first, expected, rtol_=rtol(dtype))
+    filters a slice holds two images (90 images, 45 slices). Same bits twice, close to float64
+    (NumPy: torch's CPU grouped conv is slow at 4096 groups)."""
+    assert_wgrad_reproducible(11, (90, 4096, 4, 4), (4096, 1, 7, 7),
+                              dict(padding=3, groups=4096), dtype,
+                              lambda x, dy: depthwise_wgrad_numpy(x, dy, 7, 3))
