@@ -425,10 +425,14 @@ def assert_wgrad_reproducible(seed, shape_x, shape_w, options, dtype, reference=
 @needs_torch
 @pytest.mark.skipif(not ON_GPU, reason="the tensor-core kernels run on a GPU")
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
-def test_split_wgrad_is_reproducible(dtype):
+@pytest.mark.parametrize("channels,groups", [(64, 1), (128, 2)])
+def test_split_wgrad_is_reproducible(dtype, channels, groups):
     """The weight gradient's split-K slices (Hopper's and the Sm80 kernel's) are reduced in a
-    fixed order: two calls give the same bits, and the result stays close to float64."""
-    assert_wgrad_reproducible(9, (16, 64, 32, 32), (64, 64, 3, 3), dict(padding=1), dtype)
+    fixed order: two calls give the same bits, and the result stays close to float64. Both
+    cases have more slices than the ordered sum's runs; one group sums the partials in place,
+    two groups through the repacked layout's placement (slice_sum.cuh, implicit_gemm.cu)."""
+    assert_wgrad_reproducible(9, (16, channels, 32, 32), (channels, 64, 3, 3),
+                              dict(padding=1, groups=groups), dtype)
 
 
 def depthwise_wgrad_numpy(x, dy, taps, pad):

@@ -175,9 +175,11 @@ def conv2d_nhwc_cases(dtype):
             ((2, 16, 16, 3), (4, 4, 3, 12), dict(stride=4)),
             ((2, 12, 12, 24), (3, 3, 24, 20), dict(padding=1)),
             # Hopper's split wgrad (half types, 64-channel multiples): 3 slices, the last short,
-            # a wide tile with filters off it; one slice, a narrow tile with 40 filters.
+            # a wide tile with filters off it; one slice, a narrow tile with 40 filters; more
+            # slices than the ordered sum's 8 runs (slice_sum.cuh), the last run short.
             ((8, 15, 15, 64), (3, 3, 64, 72), dict(padding=1)),
-            ((4, 12, 13, 64), (3, 3, 64, 40), dict(padding=2, dilation=2))):
+            ((4, 12, 13, 64), (3, 3, 64, 40), dict(padding=2, dilation=2)),
+            ((16, 24, 23, 64), (3, 3, 64, 64), dict(padding=1))):
         x, w, b = rand(*x_shape, dtype=dtype), rand(*w_shape, dtype=dtype), rand(w_shape[-1], dtype=dtype)
         conv_grad = jax.grad(lambda x, w, b: jnp.sum(
             jk.conv2d(x, w, b, data_format="NHWC", **options).astype(jnp.float32)), argnums=(0, 1, 2))

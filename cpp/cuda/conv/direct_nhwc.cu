@@ -21,7 +21,7 @@
 //   dy and x; in half types with one filter per channel, unit strides and square 3x3/5x5/7x7
 //   taps, a thread takes a channel pair and 4 output columns and walks the input rows once,
 //   every tap's products from a register window of dy rows (wgrad_pairs_nhwc_kernel). The slices
-//   are added in a fixed order by slice_sum_kernel. No atomics: bitwise reproducible on every
+//   are added in a fixed order (slice_sum.cuh). No atomics: bitwise reproducible on every
 //   GPU.
 // The bias gradient of both layouts is in bias_gradient.cu.
 // Indices are 64-bit throughout (grid-stride loops over int64 counts).
@@ -33,6 +33,8 @@
 #include "common/scratch.h"
 #include "common/status.h"
 #include "conv/direct.h"
+#include "conv/slice_sum.cuh"
+#include "conv/tile_staging.cuh"
 #include "jax_kernels/conv.h"
 
 namespace jax_kernels {
@@ -265,11 +267,6 @@ __device__ __forceinline__ void unpack_pair(uint32_t u, float& lo, float& hi) {
 }
 
 template <class T>
-__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
-  return uint32_t(from_acc<T>(lo).bits) | uint32_t(from_acc<T>(hi).bits) << 16;
-}
-
-template <class T>
 __device__ __forceinline__ uint32_t load_pair(const T* p) {
   return __ldg(reinterpret_cast<const unsigned int*>(p));
 }
@@ -365,7 +362,7 @@ __global__ void __launch_bounds__(kPairThreads)
       for (int x = 0; x < kPairColumns; ++x)
         if (x < columns)
           *reinterpret_cast<uint32_t*>(dst + x * s.out_at.d) =
-              pack_pair<T>(sum[j][x][0], sum[j][x][1]);
+              round_pair<T>(sum[j][x][0], sum[j][x][1]);
     }
   }
 }
@@ -396,7 +393,7 @@ bool depthwise_rows_wgrad(const ConvProblem& p) {
 // kTaps x kPairColumns products per channel: 2 * kTaps^2 * kPairColumns products per
 // kPairColumns + kTaps - 1 + kPairColumns 4-byte loads, the next row's loads issued before the
 // products, the columns' bounds tested once (masks). The block then adds its warps' sums in warp
-// order (shared memory) and writes one partial per weight element and slice; slice_sum_kernel
+// order (shared memory) and writes one partial per weight element and slice; slice_sum.cuh
 // adds the slices in order. Each weight's terms: images, then rows, then columns, in order.
 constexpr int kPairWarps = 4;
 constexpr int kPairSliceRows = 8;           // rows cut only down to this many per slice
@@ -558,67 +555,6 @@ void launch_wgrad_pairs(cudaStream_t stream, const T* dy, const T* x, float* par
                         const ConvProblem& p, const PairWgrad& w) {
   const unsigned blocks = unsigned(std::min<int64_t>(w.blocks, 0x7fffffff));
   wgrad_pairs_nhwc_kernel<T, kTaps><<<blocks, kPairWarps * 32, 0, stream>>>(dy, x, partial, p, w);
-}
-
-// out[e] = the sum of partial[slice * count + e] over the slices, in a fixed order: warp v of a
-// block adds its run of slices [v * per_run, (v + 1) * per_run) in order for 32 items of kWidth
-// elements, then the runs are added in run order (shared memory). Every thread of a small output
-// with many slices works, and the order depends on the slice count only.
-constexpr int kSumRuns = 8;
-
-template <class T, int kWidth>
-__global__ void __launch_bounds__(kSumRuns * 32)
-    slice_sum_kernel(const acc_t<T>* __restrict__ partial, T* __restrict__ out, int64_t count,
-                     int64_t slices, int64_t per_run) {
-  using A = acc_t<T>;
-  __shared__ A runs[kSumRuns][32][kWidth];
-  const int lane = int(threadIdx.x % 32), run = int(threadIdx.x / 32);
-  const int64_t items = count / kWidth;
-  const int64_t first = run * per_run, last = std::min(first + per_run, slices);
-  for (int64_t base = int64_t(blockIdx.x) * 32; base < items; base += int64_t(gridDim.x) * 32) {
-    const int64_t item = base + lane;
-    A sum[kWidth] = {};
-    if (item < items) {
-      const A* p = partial + first * count + item * kWidth;
-      for (int64_t slice = first; slice < last; ++slice, p += count) {
-        if constexpr (kWidth == 4) {
-          const float4 v = *reinterpret_cast<const float4*>(p);
-          sum[0] += v.x, sum[1] += v.y, sum[2] += v.z, sum[3] += v.w;
-        } else {
-          sum[0] += *p;
-        }
-      }
-    }
-#pragma unroll
-    for (int e = 0; e < kWidth; ++e) runs[run][lane][e] = sum[e];
-    __syncthreads();
-    if (run == 0 && item < items) {
-#pragma unroll
-      for (int e = 0; e < kWidth; ++e) {
-        A total = runs[0][lane][e];
-        for (int v = 1; v < kSumRuns && v * per_run < slices; ++v) total += runs[v][lane][e];
-        out[item * kWidth + e] = from_acc<T>(total);
-      }
-    }
-    __syncthreads();
-  }
-}
-
-// dw = the ordered sum of `slices` partials of `count` elements (dw's HWIO order); float4 loads
-// where the partials are float and count a multiple of 4 (the scratch is 16-byte aligned).
-template <class T>
-void launch_slice_sum(cudaStream_t stream, const acc_t<T>* partial, T* dw, int64_t count,
-                      int64_t slices) {
-  const int64_t per_run = std::max<int64_t>(1, ceil_div(slices, int64_t(kSumRuns)));
-  if constexpr (std::is_same_v<acc_t<T>, float>) {
-    if (count % 4 == 0) {
-      slice_sum_kernel<T, 4><<<grid_blocks(ceil_div(count / 4, 32), 1), kSumRuns * 32, 0,
-                               stream>>>(partial, dw, count, slices, per_run);
-      return;
-    }
-  }
-  slice_sum_kernel<T, 1><<<grid_blocks(ceil_div(count, 32), 1), kSumRuns * 32, 0, stream>>>(
-      partial, dw, count, slices, per_run);
 }
 
 // The slices of the wgrad reduction, fixed by the shapes (never by the device). The general
@@ -848,7 +784,7 @@ ffi::Error run_wgrad_nhwc(cudaStream_t stream, const T* dy, const T* x, T* dw,
   const WgradSlices w = wgrad_slices<T>(p);
   if (w.weights == 0) return ffi::Error::Success();
   if (w.slices == 0) {  // no output positions: dw is zero (reads no partials)
-    launch_slice_sum<T>(stream, nullptr, dw, w.weights, 0);
+    slice_sum::launch_contiguous(stream, static_cast<const acc_t<T>*>(nullptr), dw, w.weights, 0);
     return launch_status("conv2d wgrad");
   }
   const int64_t needed = wgrad_nhwc_scratch_bytes<T>(p);
@@ -871,7 +807,7 @@ ffi::Error run_wgrad_nhwc(cudaStream_t stream, const T* dy, const T* x, T* dw,
                                    stream>>>(dy, x, partial, p, w);
   }
   if (ffi::Error e = launch_status("conv2d wgrad"); e.failure()) return e;
-  launch_slice_sum<T>(stream, partial, dw, w.weights, w.slices);
+  slice_sum::launch_contiguous(stream, partial, dw, w.weights, w.slices);
   return launch_status("conv2d wgrad (reduction)");
 }
 

@@ -100,14 +100,18 @@ ffi::Error run(const BatchedGemm& gemm, cudaStream_t stream);
 // The Hopper kernels (CUTLASS 3.x implicit GEMM: TMA im2col loads, WGMMA; compiled for sm_90a in
 // implicit_gemm_sm90_<math>.cu, when the build targets sm_90): kFprop for float16, bfloat16 and
 // TF32 (not kFloat32x3), kWgrad for float16 and bfloat16 (implicit_gemm_sm90_wgrad.cuh).
-// Host-only can_implement, as above; run re-checks it with the pointers. sm90_wgrad_output_tiles:
-// the Hopper wgrad kernel's blocks per split slice (0 for TF32), for the planner's split.
+// Host-only can_implement, as above; run re-checks it with the pointers. sm90_wgrad_tiles: the
+// Hopper wgrad kernel's tiling of the problem (its tile class), for the planner's split.
+struct Sm90WgradTiles {
+  int64_t output = 0;     // output tiles: the kernel's blocks per slice (0 for TF32: no kernel)
+  int64_t reduction = 0;  // k tiles of the N*P*Q reduction, which the slices share out
+};
 template <Math M>
 bool sm90_can_implement(const NhwcConv& conv);
 template <Math M>
 ffi::Error sm90_run(const NhwcConv& conv, cudaStream_t stream);
 template <Math M>
-int64_t sm90_wgrad_output_tiles(const NhwcConv& conv);
+Sm90WgradTiles sm90_wgrad_tiles(const NhwcConv& conv);
 
 }  // namespace implicit_gemm
 }  // namespace jax_kernels

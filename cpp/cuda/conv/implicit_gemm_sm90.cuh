@@ -168,14 +168,21 @@ inline bool pointers_and_padding_fit(const NhwcConv& c) {
          upper_padding(c.W, c.Q, c.S, c.pad_w, c.stride_w, c.dilation_w) >= 0;
 }
 
+// The kernel's arguments for c into *args, or false where it does not take c.
 template <class Config>
-bool fprop_can_implement(const NhwcConv& c) {
+bool fprop_checked_arguments(const NhwcConv& c, typename Config::Device::Arguments* args) {
   if (c.kernel != NhwcKernel::kFprop || c.split_k != 1) return false;
   if (c.C % Config::kAlignment || c.K % Config::kAlignment) return false;
   if (!pointers_and_padding_fit(c)) return false;
-  const typename Config::Device::Arguments args = fprop_arguments<Config>(c);
-  if (Config::Device::can_implement(args) != cutlass::Status::kSuccess) return false;
-  return Config::Device::get_workspace_size(args) == 0;
+  *args = fprop_arguments<Config>(c);
+  if (Config::Device::can_implement(*args) != cutlass::Status::kSuccess) return false;
+  return Config::Device::get_workspace_size(*args) == 0;
+}
+
+template <class Config>
+bool fprop_can_implement(const NhwcConv& c) {
+  typename Config::Device::Arguments args;
+  return fprop_checked_arguments<Config>(c, &args);
 }
 
 inline std::string describe(const NhwcConv& c, const char* what) {
@@ -191,9 +198,10 @@ inline std::string describe(const NhwcConv& c, const char* what) {
 
 template <class Config>
 ffi::Error fprop_run(const NhwcConv& c, cudaStream_t stream) {
-  if (!fprop_can_implement<Config>(c)) return ffi::Error::Internal(describe(c, "rejects"));
+  typename Config::Device::Arguments args;
+  if (!fprop_checked_arguments<Config>(c, &args))
+    return ffi::Error::Internal(describe(c, "rejects"));
   typename Config::Device op;
-  const typename Config::Device::Arguments args = fprop_arguments<Config>(c);
   // initialize builds the TMA descriptors on the host and sets the kernel's shared memory
   // size; no workspace (checked above), so nothing touches the stream before run.
   if (op.initialize(args, nullptr, stream) != cutlass::Status::kSuccess)
@@ -251,12 +259,14 @@ ffi::Error sm90_run(const NhwcConv& conv, cudaStream_t stream) {
 }
 
 template <Math M>
-int64_t sm90_wgrad_output_tiles(const NhwcConv& conv) {
+Sm90WgradTiles sm90_wgrad_tiles(const NhwcConv& conv) {
   if constexpr (M == Math::kTF32) {
-    return 0;
+    return {};
   } else {
     return sm90::with_wgrad<M>(conv, [&](auto config) {
-      return sm90::wgrad_output_tiles<typename decltype(config)::type>(conv);
+      using Config = typename decltype(config)::type;
+      return Sm90WgradTiles{sm90::wgrad_output_tiles<Config>(conv),
+                            sm90::wgrad_k_tiles<Config>(conv)};
     });
   }
 }
@@ -264,7 +274,7 @@ int64_t sm90_wgrad_output_tiles(const NhwcConv& conv) {
 #define JK_IMPLICIT_GEMM_SM90_INSTANTIATE(math)              \
   template bool sm90_can_implement<math>(const NhwcConv&); \
   template ffi::Error sm90_run<math>(const NhwcConv&, cudaStream_t); \
-  template int64_t sm90_wgrad_output_tiles<math>(const NhwcConv&)
+  template Sm90WgradTiles sm90_wgrad_tiles<math>(const NhwcConv&)
 
 }  // namespace implicit_gemm
 }  // namespace jax_kernels

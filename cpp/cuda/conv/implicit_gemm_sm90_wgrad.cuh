@@ -212,8 +212,9 @@ int64_t wgrad_output_tiles(const NhwcConv& c) {
   return int64_t((c.K + Config::kTileM - 1) / Config::kTileM) * (int64_t(c.R) * c.S * c.C / Config::kTileN);
 }
 
+// The kernel's arguments for c into *args, or false where it does not take c.
 template <class Config>
-bool wgrad_can_implement(const NhwcConv& c) {
+bool wgrad_checked_arguments(const NhwcConv& c, typename Config::Base::Arguments* args) {
   if (c.kernel != NhwcKernel::kWgrad || c.split_k < 1) return false;
   if (c.C % Config::kTileN || c.K % Config::kAlignment) return false;
   // Every slice non-empty: the planner's split is ceil(k_tiles / per) for some per.
@@ -222,18 +223,25 @@ bool wgrad_can_implement(const NhwcConv& c) {
   if ((k_tiles + per - 1) / per != c.split_k) return false;
   if (!pointers_and_padding_fit(c)) return false;  // c.c is null
   using Base = typename Config::Base;
-  const typename Base::Arguments args = wgrad_arguments<Config>(c);
-  return Base::can_implement(args) && Base::get_workspace_size(args) == 0;
+  *args = wgrad_arguments<Config>(c);
+  return Base::can_implement(*args) && Base::get_workspace_size(*args) == 0;
+}
+
+template <class Config>
+bool wgrad_can_implement(const NhwcConv& c) {
+  typename Config::Base::Arguments args;
+  return wgrad_checked_arguments<Config>(c, &args);
 }
 
 template <class Config>
 ffi::Error wgrad_run(const NhwcConv& c, cudaStream_t stream) {
   using Base = typename Config::Base;
   using Kernel = typename Config::Kernel;
-  if (!wgrad_can_implement<Config>(c)) return ffi::Error::Internal(describe(c, "rejects"));
+  typename Base::Arguments args;
+  if (!wgrad_checked_arguments<Config>(c, &args)) return ffi::Error::Internal(describe(c, "rejects"));
   typename Kernel::Params params;
   // Builds the TMA descriptors on the host (no workspace: checked above).
-  params.base = Base::to_underlying_arguments(wgrad_arguments<Config>(c), nullptr);
+  params.base = Base::to_underlying_arguments(args, nullptr);
   const int64_t k_tiles = wgrad_k_tiles<Config>(c);
   params.k_tiles_per_slice = int((k_tiles + c.split_k - 1) / c.split_k);
   params.slice_elements = int64_t(c.K) * c.R * c.S * c.C;

@@ -161,18 +161,6 @@ __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
   }
 }
 
-// Two adjacent outputs of a half type as one packed pair (round to nearest even; the same bits
-// as from_acc except for the payload of NaNs).
-template <class T>
-__device__ __forceinline__ uint32_t pack_outputs(float lo, float hi) {
-  uint32_t r;
-  if constexpr (std::is_same_v<T, bfloat16>)
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  else
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
 // Elements between the rows of stencil_mma_pipe_kernel's output staging tile: the tile's
 // 8 * nt columns start d = x_base mod 8 columns in (so that output columns 8j fall on 16-byte
 // vectors), rounded up to whole vectors with pitch / 8 odd (8 rows of 16 bytes hit 8 different
@@ -346,7 +334,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaPipeBlocks)
           if (c > 0 && !valid[c]) continue;
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const uint32_t pair = pack_outputs<T>(acc[c][2 * h], acc[c][2 * h + 1]);
+            const uint32_t pair = round_pair<T>(acc[c][2 * h], acc[c][2 * h + 1]);
             T* const s = lane_stage + staged[c] + 8 * h * spitch;
             if (d & 1) {
               s[0] = T{uint16_t(pair & 0xffffu)};

@@ -185,6 +185,19 @@ __device__ __forceinline__ uint32_t pack_pair(T lo, T hi) {
   return uint32_t(lo.bits) | (uint32_t(hi.bits) << 16);
 }
 
+// Two floats rounded to a half type and packed, `lo` in the low 16 bits: one cvt.rn.*x2
+// instruction. The same bits as from_acc (round to nearest even) but for the payload of NaNs.
+template <class T>
+__device__ __forceinline__ uint32_t round_pair(float lo, float hi) {
+  static_assert(std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>, "half types");
+  uint32_t r;
+  if constexpr (std::is_same_v<T, bfloat16>)
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
 // D += A * B for one m16n8k16 tile: A 16x16 (row-major fragment, 4 registers), B 16x8
 // (column-major fragment, 2 registers), float32 accumulation.
 template <class T>

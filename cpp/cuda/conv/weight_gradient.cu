@@ -9,6 +9,7 @@
 #include "common/launch.h"
 #include "common/status.h"
 #include "conv/direct.h"
+#include "conv/slice_sum.cuh"
 #include "conv/tile_staging.cuh"
 
 namespace jax_kernels {
@@ -523,19 +524,6 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
-// dw[i] = the sum over slices of partial[slice][i], in slice order.
-template <class T>
-__global__ void wgrad_finalize_kernel(const acc_t<T>* __restrict__ partial, T* __restrict__ dw,
-                                      int64_t slices, int64_t count) {
-  using A = acc_t<T>;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    A sum = A(0);
-    for (int64_t s = 0; s < slices; ++s) sum += partial[s * count + i];
-    dw[i] = from_acc<T>(sum);
-  }
-}
-
 template <class T, int kTaps, int kRows>
 void launch_wgrad_strips(cudaStream_t stream, const T* dy, const T* x, T* partial,
                          const WgradGrid& G) {
@@ -594,7 +582,7 @@ ffi::Error run_wgrad(cudaStream_t stream, const T* dy, const T* x, T* dw, const 
   G.tiles_y = plan.tile.tiles_y;
   const int taps = plan.taps;
   if (G.slices == 0) {
-    // No images: the finalize kernel writes zeros.
+    // No images: the slice sum writes zeros.
   } else if (plan.kernel == WgradKernel::kMma) {
     if constexpr (is_half_type<T>()) {
       G.tile_rows = plan.tile_rows;
@@ -645,8 +633,7 @@ ffi::Error run_wgrad(cudaStream_t stream, const T* dy, const T* x, T* dw, const 
     const unsigned blocks = unsigned(std::min<int64_t>(wanted, int64_t(1) << 30));
     wgrad_partial_generic_kernel<T><<<blocks, kMaxThreads, 0, stream>>>(dy, x, partial, G);
   }
-  wgrad_finalize_kernel<T><<<grid_blocks(count, kMaxThreads), kMaxThreads, 0, stream>>>(
-      partial, dw, G.slices, count);
+  slice_sum::launch_contiguous(stream, static_cast<const A*>(partial), dw, count, G.slices);
   return launch_status(op);
 }
 
