@@ -256,7 +256,8 @@ void launch_depthwise_block(cudaStream_t stream, const T* source, const T* weigh
 // one 4-byte pair: a warp reads 128 contiguous bytes per load instead of 64, and half the loads.
 // The columns' bounds are tested once (a mask) and a row's pairs are reached by pointer steps,
 // the next source row's pairs loaded before the current row's products. The sums are the block
-// kernel's, in its order, so both give the same bits.
+// kernel's, in its order, so both give the same bits (but for the payload of NaNs: the pair is
+// rounded by one cvt.rn.*x2, round_pair).
 constexpr int kPairColumns = 4;
 constexpr int kPairThreads = 128;
 

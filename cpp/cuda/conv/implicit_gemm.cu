@@ -315,8 +315,10 @@ int wgrad_split(Math math, const NhwcConv& c, int64_t positions, int64_t element
 #if defined(JAX_KERNELS_HAVE_SM90_CONV)
 implicit_gemm::Sm90WgradTiles sm90_wgrad_tiles(Math math, const NhwcConv& c) {
   return with_math(math, [&](auto m) {
-    if constexpr (m() == Math::kFloat32x3) return implicit_gemm::Sm90WgradTiles{};  // no sm90 kernels
-    else return implicit_gemm::sm90_wgrad_tiles<m()>(c);
+    if constexpr (m() == Math::kFloat32x3)
+      return implicit_gemm::Sm90WgradTiles{};  // float32x3 has no sm90 kernels
+    else
+      return implicit_gemm::sm90_wgrad_tiles<m()>(c);
   });
 }
 

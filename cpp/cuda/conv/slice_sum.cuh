@@ -1,14 +1,14 @@
 // The ordered sum of a split weight gradient's slices, shared by every deterministic wgrad of the
 // conv family (the direct kernels' NCHW and channels-last partials, and the Hopper kernel's
 // HWIO-ordered ones): out = the sum over slices of partial[slice], each element's slices added in
-// an order fixed by the slice count alone (never by the device, the grid or the schedule), with
-// no atomics.
+// an order fixed by the item and slice counts alone (never by the device, the grid or the
+// schedule), with no atomics.
 //
 // A block's warps take `runs` fixed runs of slices, run v = slices [v * per_run, (v + 1) *
 // per_run), for 32 items (kWidth contiguous elements each) per warp group; the runs' sums are
 // then added in run order (shared memory). Runs (below) split a small output's long sums across
-// warps; a large output or few slices take one run, one thread per item. `Map` places an item: map(item) gives its first element's offset within a
-// slice of the partials and in the output.
+// warps; a large output or few slices take one run, one thread per item. `Map` places an item:
+// map(item) gives its first element's offset within a slice of the partials and in the output.
 #pragma once
 
 #include <cuda_runtime.h>
