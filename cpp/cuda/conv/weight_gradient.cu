@@ -633,7 +633,7 @@ ffi::Error run_wgrad(cudaStream_t stream, const T* dy, const T* x, T* dw, const 
     const unsigned blocks = unsigned(std::min<int64_t>(wanted, int64_t(1) << 30));
     wgrad_partial_generic_kernel<T><<<blocks, kMaxThreads, 0, stream>>>(dy, x, partial, G);
   }
-  slice_sum::launch_contiguous(stream, static_cast<const A*>(partial), dw, count, G.slices);
+  slice_sum::launch_contiguous(stream, partial, dw, count, G.slices);
   return launch_status(op);
 }
 
