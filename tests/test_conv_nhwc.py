@@ -350,7 +350,8 @@ def test_batch_sharded_on_8_devices():
 # Dense problems the tensor-core path takes, for both kernel families (torch-layout shapes): a
 # narrow and a wide filter tile, bias, stride 2 with padding, a 1x1 stride-2 conv that leaves the
 # last input row unread, dilation, a unit-stride dgrad (an fprop on flipped weights) with
-# padding on one side only, 3-channel stems (im2col, both column layouts) and a grouped conv.
+# padding on one side only, 3-channel stems (im2col, both column layouts), grouped convs and
+# padded weights.
 TENSOR_CORE_GEOMETRIES = [
     ((2, 16, 20, 33), (32, 16, 3, 3), dict(padding=1), True),
     ((2, 64, 14, 15), (128, 64, 3, 3), dict(stride=2, padding=1), True),
@@ -360,6 +361,16 @@ TENSOR_CORE_GEOMETRIES = [
     # Channels last off the access width, and groups: repacked into the kernels' layout.
     ((2, 3, 17, 18), (16, 3, 7, 7), dict(stride=2, padding=3), True),
     ((2, 32, 9, 10), (48, 16, 3, 3), dict(padding=1, groups=2), True),
+    # Channels and filters both off the access width (zero-padded weights on both sides, through
+    # the weights' tiled transpose when channels last), one group and two.
+    ((2, 12, 11, 9), (20, 12, 3, 3), dict(padding=1), True),
+    ((2, 36, 8, 9), (44, 18, 3, 2), dict(padding=1, groups=2), True),
+    # Filters of 2^17 weights and more, which the weights' tiled transpose takes (HWIO forward
+    # and strided dgrad; KCRS unit-stride dgrad): padded filters, padded channels in two
+    # strided groups, a stem's im2col columns.
+    ((2, 128, 5, 6), (132, 128, 3, 3), dict(padding=1), True),
+    ((2, 200, 7, 6), (264, 100, 3, 3), dict(stride=2, padding=1, groups=2), False),
+    ((1, 3, 12, 12), (896, 3, 7, 7), dict(stride=2, padding=3), True),
     # Few channels whose output pixels and filters are on the access width: NCHW through the
     # batched GEMM on channel-major columns (wgrad too with enough images' worth of blocks).
     ((16, 3, 8, 8), (128, 3, 3, 3), dict(padding=1), True),

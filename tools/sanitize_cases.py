@@ -120,8 +120,9 @@ def conv2d_cases(dtype):
     # tiles), the generic and the global-memory stencils, every weight-gradient kernel, the bias
     # gradient, the tensor-core path where it takes the problem (on Hopper its sm_90a forward
     # kernels; the im2col route for few input channels: a 7x7/2 stem, a 5x5/2 two-channel conv,
-    # a 3x3 3->128 conv over 16 images through the batched GEMM on channel-major columns),
-    # per-example weights and an empty batch.
+    # a 3x3 3->128 conv over 16 images through the batched GEMM on channel-major columns), a
+    # filter large enough for the weights' tiled transpose, per-example weights and an empty
+    # batch.
     for x_shape, w_shape, options in (
             ((2, 4, 14, 14), (4, 1, 7, 7), dict(padding=3, groups=4)),
             ((1, 3, 16, 20), (6, 1, 5, 5), dict(padding=2, groups=3)),
@@ -136,6 +137,7 @@ def conv2d_cases(dtype):
             ((2, 4, 24, 24), (4, 1, 3, 3), dict(stride=2, padding=1, groups=4)),
             ((2, 3, 17, 18), (16, 3, 7, 7), dict(stride=2, padding=3)),
             ((16, 3, 8, 8), (128, 3, 3, 3), dict(padding=1)),
+            ((2, 128, 5, 6), (132, 128, 3, 3), dict(padding=1)),
             ((2, 32, 16, 16), (64, 32, 1, 1), dict(stride=2))):
         x, w, b = rand(*x_shape, dtype=dtype), rand(*w_shape, dtype=dtype), rand(w_shape[0], dtype=dtype)
         conv_grad = jax.grad(lambda x, w, b: jnp.sum(jk.conv2d(x, w, b, **options).astype(jnp.float32)),
@@ -159,7 +161,8 @@ def conv2d_nhwc_cases(dtype):
     # strided dgrad, wgrad), repacked (grouped, channels off the 128-bit access) and on im2col
     # columns (3-channel stems, with the output in place or unpacked), the direct channels-last
     # stencil, wgrad and bias gradient (depthwise, strided, dilated), per-example weights,
-    # Hopper's split wgrad.
+    # Hopper's split wgrad, filters large enough for the weights' tiled transpose (one group
+    # and two, padded filters and channels, the im2col route).
     for x_shape, w_shape, options in (
             ((2, 9, 9, 16), (3, 3, 16, 16), dict(padding=1)),
             ((2, 11, 10, 16), (3, 3, 16, 32), dict(stride=2, padding=1)),
@@ -174,6 +177,10 @@ def conv2d_nhwc_cases(dtype):
             ((2, 17, 18, 3), (7, 7, 3, 16), dict(stride=2, padding=3)),
             ((2, 16, 16, 3), (4, 4, 3, 12), dict(stride=4)),
             ((2, 12, 12, 24), (3, 3, 24, 20), dict(padding=1)),
+            ((2, 8, 9, 36), (3, 2, 18, 44), dict(padding=1, groups=2)),
+            ((2, 5, 6, 128), (3, 3, 128, 132), dict(padding=1)),
+            ((2, 7, 6, 200), (3, 3, 100, 264), dict(stride=2, padding=1, groups=2)),
+            ((1, 12, 12, 3), (7, 7, 3, 896), dict(stride=2, padding=3)),
             # Hopper's split wgrad (half types, 64-channel multiples): 3 slices, the last short,
             # a wide tile with filters off it; one slice, a narrow tile with 40 filters; more
             # slices than the ordered sum's 8 runs (slice_sum.cuh), the last run short.

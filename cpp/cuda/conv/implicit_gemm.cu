@@ -588,20 +588,24 @@ struct alignas(4 * sizeof(Bits)) Vec4 {
 };
 
 // A batch of 2-D transposes with zero padding: for slice (n, g),
-//   out[j][i] = i < rows ? in[i][j] : 0   for i < out_cols, j < cols,
+//   out[j][i] = i < rows && j < cols ? in[i][j] : 0   for i < out_cols, j < out_rows,
 // with in = in_base + n * in_stride_n + g * in_stride_g (row stride in_ld) and out likewise.
-// NCHW -> NHWC: i = channel (padded), j = pixel; NHWC -> NCHW: i = pixel, j = channel.
+// NCHW -> NHWC: i = channel (padded), j = pixel; NHWC -> NCHW: i = pixel, j = channel;
+// HWIO weights -> KRSC: i = (tap, channel), j = filter (padded).
 template <class Bits>
 struct TransposeJob {
   const Bits* in;
   Bits* out;
-  int64_t rows, cols, out_cols;
+  int64_t rows, cols, out_cols, out_rows;
   int64_t in_ld, out_ld;
   int64_t slices, groups;  // slices are (n, g), g fastest
   int64_t in_stride_n, in_stride_g, out_stride_n, out_stride_g;
   int64_t tiles_i, tiles_j;
   int64_t block_begin;
   bool vector_in, vector_out;  // 4-element accesses are aligned
+  // > 1: output rows come in runs of flip_period written in reverse order (row j goes to
+  // j - j % p + p - 1 - j % p): the taps of flipped KCRS weights.
+  int64_t flip_period;
 };
 
 // KCRS weights to the layout the CUTLASS kernel reads, padded with zero filters and channels:
@@ -622,6 +626,7 @@ struct WeightJob {
   int64_t flat_R, flat_S, flat_C;
   int64_t weight_count, bias_count;
   int64_t block_begin, blocks;  // blocks == 0: no weight job in this launch
+  bool small_indices;           // every index fits in 31 bits (set by launch_layout)
 };
 
 // Channels-last activations that CUTLASS cannot read in place (a channel count off the access
@@ -638,7 +643,7 @@ struct RepackJob {
 
 template <class Bits>
 struct LayoutJobs {
-  TransposeJob<Bits> transpose[2];
+  TransposeJob<Bits> transpose[3];  // up to two activations' and the weights'
   int transpose_count;
   RepackJob<Bits> repack[2];
   int repack_count;
@@ -649,14 +654,17 @@ template <class Bits>
 __device__ __forceinline__ void transpose_tile(const TransposeJob<Bits>& job, int64_t block,
                                                Bits (&tile)[kTile][kTile + 1]) {
   const int t = threadIdx.x;
-  const int64_t ti = block % job.tiles_i;
-  block /= job.tiles_i;
-  const int64_t tj = block % job.tiles_j;
-  const int64_t slice = block / job.tiles_j;
-  const int64_t n = slice / job.groups, g = slice % job.groups;
+  // The block's tile and slice: 32-bit arithmetic, as a grid has fewer than 2^31 blocks (a
+  // 64-bit division costs several times more, and every thread does these).
+  uint32_t rest = uint32_t(block);
+  const uint32_t ti = rest % uint32_t(job.tiles_i);
+  rest /= uint32_t(job.tiles_i);
+  const uint32_t tj = rest % uint32_t(job.tiles_j);
+  const uint32_t slice = rest / uint32_t(job.tiles_j);
+  const int64_t n = slice / uint32_t(job.groups), g = slice % uint32_t(job.groups);
   const Bits* in = job.in + n * job.in_stride_n + g * job.in_stride_g;
   Bits* out = job.out + n * job.out_stride_n + g * job.out_stride_g;
-  const int64_t i0 = ti * kTile, j0 = tj * kTile;
+  const int64_t i0 = int64_t(ti) * kTile, j0 = int64_t(tj) * kTile;
   const int lane4 = 4 * (t % 16);  // 16 threads cover a 64-element row, 4 elements each
 
 #pragma unroll
@@ -682,11 +690,16 @@ __device__ __forceinline__ void transpose_tile(const TransposeJob<Bits>& job, in
   for (int k = 0; k < 4; ++k) {
     const int jl = t / 16 + 16 * k;
     const int64_t j = j0 + jl, i = i0 + lane4;
-    if (j >= job.cols) continue;
+    if (j >= job.out_rows) continue;
     Vec4<Bits> v;
 #pragma unroll
     for (int e = 0; e < 4; ++e) v.v[e] = tile[lane4 + e][jl];
-    Bits* row = out + j * job.out_ld;
+    int64_t out_row = j;
+    if (job.flip_period > 1) {
+      const uint32_t p = uint32_t(job.flip_period), in_run = uint32_t(j) % p;  // j < 2^31
+      out_row = j - in_run + (p - 1 - in_run);
+    }
+    Bits* row = out + out_row * job.out_ld;
     if (job.vector_out && i + 3 < job.out_cols) {
       *reinterpret_cast<Vec4<Bits>*>(row + i) = v;
     } else {
@@ -697,56 +710,102 @@ __device__ __forceinline__ void transpose_tile(const TransposeJob<Bits>& job, in
   }
 }
 
-template <class Bits>
-__device__ void transform_weights(const WeightJob<Bits>& job, int64_t block) {
-  const int64_t total = job.weight_count + job.bias_count;
-  const int64_t stride = job.blocks * kLayoutThreads;
-  for (int64_t idx = block * kLayoutThreads + threadIdx.x; idx < total; idx += stride) {
-    if (idx < job.weight_count) {
-      int64_t rest = idx;
-      const int64_t inner = rest % (job.flip ? job.Kgp : job.Cgp);
-      rest /= job.flip ? job.Kgp : job.Cgp;
-      const int64_t s = rest % job.S;
-      rest /= job.S;
-      const int64_t r = rest % job.R;
-      rest /= job.R;
-      const int64_t outer = rest % (job.flip ? job.Cgp : job.Kgp);
-      const int64_t g = rest / (job.flip ? job.Cgp : job.Kgp);
-      const int64_t k = job.flip ? inner : outer, c = job.flip ? outer : inner;
-      const int64_t tap = job.flip ? (job.R - 1 - r) * job.S + (job.S - 1 - s) : r * job.S + s;
-      Bits value = 0;
-      if (k < job.Kg && c < job.Cg) {
-        int64_t channel = c, source_tap = tap, channels = job.Cg, taps = job.R * job.S;
-        if (job.flat_C > 0) {
-          channel = c % job.flat_C, source_tap = c / job.flat_C;
-          channels = job.flat_C, taps = job.flat_R * job.flat_S;
-        }
-        value = job.hwio
-                    ? job.w[(source_tap * channels + channel) * job.groups * job.Kg + g * job.Kg + k]
-                    : job.w[((g * job.Kg + k) * channels + channel) * taps + source_tap];
-      }
-      job.out[idx] = value;
+// One warp per segment of kSegment elements of an output row [g][outer][r][s] (outer = k, or c
+// when flipped), its lanes along the row's `inner` elements (c, or k when flipped): the row's
+// indices are worked out once per segment, and each element is a multiply-add away, but for the
+// im2col route's unflipped columns, which split into (tap, channel) one by one. The padded bias
+// [G][Kgp] is copied one thread per element after. Index is uint32_t where every index of the
+// job fits (almost always): a 64-bit division costs several times a 32-bit one.
+constexpr int kSegment = 128;
+
+template <class Index, class Bits>
+__device__ void transform_weights_indexed(const WeightJob<Bits>& job, int64_t block) {
+  const Index Kg = Index(job.Kg), Cg = Index(job.Cg), R = Index(job.R), S = Index(job.S);
+  const Index Kgp = Index(job.Kgp), Cgp = Index(job.Cgp), groups = Index(job.groups);
+  const bool flip = job.flip, hwio = job.hwio, flat = job.flat_C > 0;
+  const Index inner_size = flip ? Kgp : Cgp, outer_size = flip ? Cgp : Kgp;
+  const Index inner_valid = flip ? Kg : Cg, outer_valid = flip ? Cg : Kg;
+  const Index channels = flat ? Index(job.flat_C) : Cg;
+  const Index taps = flat ? Index(job.flat_R * job.flat_S) : R * S;
+  // The source index of filter k, channel c (c a column (tap, channel) on the im2col route).
+  auto source = [&](Index k, Index c, Index tap) {
+    Index channel = c;
+    if (flat) channel = c % channels, tap = c / channels;
+    return hwio ? (tap * channels + channel) * groups * Kg + k : (k * channels + channel) * taps + tap;
+  };
+  const Index segments = (inner_size + kSegment - 1) / kSegment;
+  const Index units = Index(job.weight_count) / inner_size * segments;
+  const Index lane = threadIdx.x % 32, warps = Index(job.blocks) * (kLayoutThreads / 32);
+  for (Index unit = Index(block) * (kLayoutThreads / 32) + threadIdx.x / 32; unit < units;
+       unit += warps) {
+    const Index row = unit / segments, begin = unit % segments * kSegment;
+    const Index end = min(inner_size, begin + kSegment);
+    Index rest = row;
+    const Index s = rest % S;
+    rest /= S;
+    const Index r = rest % R;
+    rest /= R;
+    const Index outer = rest % outer_size;
+    const Index g = rest / outer_size;
+    const Index tap = flip ? (R - 1 - r) * S + (S - 1 - s) : r * S + s;
+    Bits* out = job.out + row * inner_size;
+    // Filters of group g: k counts from g * Kg in the source (HWIO's last axis, KCRS's first).
+    const Index k0 = g * Kg;
+    if (outer >= outer_valid) {
+      for (Index i = begin + lane; i < end; i += 32) out[i] = Bits(0);
+    } else if (flip) {  // outer = c, inner = k
+      const Index base = source(k0, outer, tap), k_stride = hwio ? 1 : channels * taps;
+      for (Index i = begin + lane; i < end; i += 32)
+        out[i] = i < inner_valid ? job.w[base + i * k_stride] : Bits(0);
+    } else if (!flat) {  // outer = k, inner = c
+      const Index base = source(k0 + outer, 0, tap), c_stride = hwio ? groups * Kg : taps;
+      for (Index i = begin + lane; i < end; i += 32)
+        out[i] = i < inner_valid ? job.w[base + i * c_stride] : Bits(0);
     } else {
-      const int64_t j = idx - job.weight_count;
-      const int64_t k = j % job.Kgp, g = j / job.Kgp;
-      job.bias_out[j] = k < job.Kg ? job.bias[g * job.Kg + k] : Bits(0);
+      for (Index i = begin + lane; i < end; i += 32)
+        out[i] = i < inner_valid ? job.w[source(k0 + outer, i, tap)] : Bits(0);
     }
+  }
+  const Index bias_count = Index(job.bias_count), stride = Index(job.blocks) * kLayoutThreads;
+  for (Index j = Index(block) * kLayoutThreads + threadIdx.x; j < bias_count; j += stride) {
+    const Index k = j % Kgp, g = j / Kgp;
+    job.bias_out[j] = k < Kg ? job.bias[g * Kg + k] : Bits(0);
   }
 }
 
 template <class Bits>
-__device__ void repack(const RepackJob<Bits>& job, int64_t block) {
-  const int64_t per_group = job.rows * job.padded, total = job.groups * per_group;
-  const int64_t stride = job.blocks * kLayoutThreads;
-  for (int64_t idx = block * kLayoutThreads + threadIdx.x; idx < total; idx += stride) {
-    const int64_t g = idx / per_group, rest = idx % per_group;
-    const int64_t row = rest / job.padded, c = rest % job.padded;
-    const int64_t packed = (row * job.groups + g) * job.channels + c;
+__device__ void transform_weights(const WeightJob<Bits>& job, int64_t block) {
+  if (job.small_indices)
+    transform_weights_indexed<uint32_t>(job, block);
+  else
+    transform_weights_indexed<int64_t>(job, block);
+}
+
+template <class Index, class Bits>
+__device__ void repack_indexed(const RepackJob<Bits>& job, int64_t block) {
+  const Index rows = Index(job.rows), groups = Index(job.groups);
+  const Index channels = Index(job.channels), padded = Index(job.padded);
+  const Index per_group = rows * padded, total = groups * per_group;
+  const Index stride = Index(job.blocks) * kLayoutThreads;
+  for (Index idx = Index(block) * kLayoutThreads + threadIdx.x; idx < total; idx += stride) {
+    const Index g = idx / per_group, rest = idx % per_group;
+    const Index row = rest / padded, c = rest % padded;
+    const Index packed = (row * groups + g) * channels + c;
     if (job.pad)
-      job.out[idx] = c < job.channels ? job.in[packed] : Bits(0);
-    else if (c < job.channels)
+      job.out[idx] = c < channels ? job.in[packed] : Bits(0);
+    else if (c < channels)
       job.out[packed] = job.in[idx];
   }
+}
+
+// Every index of a repack is below groups * rows * padded (and one grid stride past it, under
+// 2^31 + 2^24, still fits in 32 bits).
+template <class Bits>
+__device__ void repack(const RepackJob<Bits>& job, int64_t block) {
+  if (job.groups * job.rows * job.padded < (int64_t(1) << 31))
+    repack_indexed<uint32_t>(job, block);
+  else
+    repack_indexed<int64_t>(job, block);
 }
 
 template <class Bits>
@@ -759,10 +818,10 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutJobs<Bits>
     repack(jobs.repack[0], block - jobs.repack[0].block_begin);
   } else if (jobs.weights.blocks > 0 && block >= jobs.weights.block_begin) {
     transform_weights(jobs.weights, block - jobs.weights.block_begin);
-  } else if (jobs.transpose_count > 1 && block >= jobs.transpose[1].block_begin) {
-    transpose_tile(jobs.transpose[1], block - jobs.transpose[1].block_begin, tile);
   } else {
-    transpose_tile(jobs.transpose[0], block, tile);
+    int t = jobs.transpose_count > 0 ? jobs.transpose_count - 1 : 0;
+    while (t > 0 && block < jobs.transpose[t].block_begin) --t;
+    transpose_tile(jobs.transpose[t], block - jobs.transpose[t].block_begin, tile);
   }
 }
 
@@ -775,7 +834,7 @@ TransposeJob<Bits> to_nhwc(const void* in, void* out, int64_t N, int64_t G, int6
   TransposeJob<Bits> job{};
   job.in = static_cast<const Bits*>(in);
   job.out = static_cast<Bits*>(out);
-  job.rows = channels, job.cols = pixels, job.out_cols = channels_padded;
+  job.rows = channels, job.cols = job.out_rows = pixels, job.out_cols = channels_padded;
   job.in_ld = pixels, job.out_ld = channels_padded;
   job.slices = N * G, job.groups = G;
   job.in_stride_n = G * channels * pixels, job.in_stride_g = channels * pixels;
@@ -793,7 +852,7 @@ TransposeJob<Bits> to_nchw(const void* in, void* out, int64_t N, int64_t G, int6
   TransposeJob<Bits> job{};
   job.in = static_cast<const Bits*>(in);
   job.out = static_cast<Bits*>(out);
-  job.rows = pixels, job.cols = channels, job.out_cols = pixels;
+  job.rows = pixels, job.cols = job.out_rows = channels, job.out_cols = pixels;
   job.in_ld = channels_padded, job.out_ld = pixels;
   job.slices = N * G, job.groups = G;
   job.in_stride_n = pixels * channels_padded, job.in_stride_g = N * pixels * channels_padded;
@@ -814,25 +873,88 @@ RepackJob<Bits> repack_job(const void* in, void* out, int64_t rows, int64_t G, i
   return job;
 }
 
-// One launch for up to two transposes or repacks and the weight transform (all independent).
-// Repacks come after the weights; both loop over their elements with a bounded grid.
+// Weights whose row gather (transform_weights) would read far-apart elements go through the
+// tiled transpose instead (on success the weight job keeps only the bias):
+// - HWIO read in KRSC order (the forward's and the strided dgrad's, unflipped): the gather's
+//   lanes would read them G * Kg elements apart. Slice (tap, g) is the transpose of [Cg][Kg]
+//   into [Kgp][Cgp] rows R * S * Cgp apart; one group with unpadded channels (or the im2col
+//   route's single tap) is a single transpose of [R*S*Cg][Kg].
+// - KCRS flipped (dgrad as fprop, [G][Cgp][R][S][Kgp]): the gather's lanes would read them
+//   Cg * R * S apart. Group g is the transpose of [Kg][Cg*R*S] into [Cg*R*S][Kgp], each
+//   channel's R * S rows written in reverse order for the flip.
+//   (Not with padded channels: their rows would be left unwritten.)
+// Both only for large filters (2^17 weights and more, 3x3 128->128 up): a transpose of a few
+// tiles runs on a few SMs and takes longer than the row gather below (measured on the H100).
+// Unflipped KCRS weights are [R*S][Cg] transposes per filter, too narrow for the tiles.
+template <class Bits>
+bool weights_transpose(WeightJob<Bits>* weights, TransposeJob<Bits>* job) {
+  WeightJob<Bits>& w = *weights;
+  if (w.weight_count < (int64_t(1) << 17) || (!w.hwio && w.flat_C > 0)) return false;
+  const int64_t taps = w.R * w.S;
+  *job = TransposeJob<Bits>{};
+  job->in = w.w;
+  job->out = w.out;
+  job->slices = job->groups = 1;
+  if (w.hwio && !w.flip) {
+    job->cols = w.Kg, job->out_rows = w.Kgp;
+    if (w.groups == 1 && (w.Cgp == w.Cg || taps == 1)) {
+      job->rows = taps * w.Cg, job->out_cols = job->out_ld = taps * w.Cgp;
+    } else {
+      job->rows = w.Cg, job->out_cols = w.Cgp, job->out_ld = taps * w.Cgp;
+      job->slices = taps * w.groups, job->groups = w.groups;
+      job->in_stride_n = w.Cg * w.groups * w.Kg, job->in_stride_g = w.Kg;
+      job->out_stride_n = w.Cgp, job->out_stride_g = w.Kgp * taps * w.Cgp;
+    }
+    job->in_ld = w.groups * w.Kg;
+  } else if (!w.hwio && w.flip && w.Cgp == w.Cg && w.Cg * taps < (int64_t(1) << 31)) {
+    job->rows = w.Kg, job->cols = job->out_rows = w.Cg * taps, job->out_cols = w.Kgp;
+    job->in_ld = w.Cg * taps, job->out_ld = w.Kgp;
+    job->flip_period = taps;
+    job->slices = w.groups;
+    job->in_stride_n = w.Kg * w.Cg * taps, job->out_stride_n = w.Cgp * taps * w.Kgp;
+  } else {
+    return false;
+  }
+  job->tiles_i = ceil_div(job->out_cols, kTile), job->tiles_j = ceil_div(job->out_rows, kTile);
+  // 4-element accesses need every row start (and slice start) 4-aligned.
+  job->vector_in = job->in_ld % 4 == 0 && job->in_stride_n % 4 == 0 &&
+                   job->in_stride_g % 4 == 0 && aligned(job->in, 4 * sizeof(Bits));
+  job->vector_out = job->out_ld % 4 == 0 && job->out_stride_n % 4 == 0 &&
+                    job->out_stride_g % 4 == 0 && aligned(job->out, 4 * sizeof(Bits));
+  w.weight_count = 0;
+  return true;
+}
+
+// One launch for up to two transposes or repacks and the weight transform (all independent; the
+// weights' own transpose, if any, after the others). Repacks come after the weights; both loop
+// over their elements with a bounded grid.
 template <class Bits>
 ffi::Error launch_layout(cudaStream_t stream, std::initializer_list<TransposeJob<Bits>> transposes,
                          const WeightJob<Bits>* weights = nullptr,
                          std::initializer_list<RepackJob<Bits>> repacks = {}) {
   LayoutJobs<Bits> jobs{};
   int64_t blocks = 0;
-  for (const TransposeJob<Bits>& job : transposes) {
+  auto add_transpose = [&](const TransposeJob<Bits>& job) {
     TransposeJob<Bits>& slot = jobs.transpose[jobs.transpose_count++];
     slot = job;
     slot.block_begin = blocks;
     blocks += job.tiles_i * job.tiles_j * job.slices;
-  }
+  };
+  for (const TransposeJob<Bits>& job : transposes) add_transpose(job);
   if (weights != nullptr) {
     jobs.weights = *weights;
+    TransposeJob<Bits> tiled;
+    if (weights_transpose(&jobs.weights, &tiled)) add_transpose(tiled);
     jobs.weights.block_begin = blocks;
+    const int64_t count = jobs.weights.weight_count + jobs.weights.bias_count;
+    const int64_t inner = jobs.weights.flip ? jobs.weights.Kgp : jobs.weights.Cgp;
+    const int64_t units = jobs.weights.weight_count / inner * ceil_div(inner, kSegment);
     jobs.weights.blocks = std::min<int64_t>(
-        1024, ceil_div(weights->weight_count + weights->bias_count, kLayoutThreads));
+        1024, std::max(ceil_div(units, kLayoutThreads / 32),
+                       ceil_div(jobs.weights.bias_count, kLayoutThreads)));
+    // The grid stride loops' indices stay below count + blocks * threads (units are no more
+    // than weights); the source weights (and bias) are no larger than their padded copies.
+    jobs.weights.small_indices = count + 1024 * kLayoutThreads < (int64_t(1) << 31);
     blocks += jobs.weights.blocks;
   }
   for (const RepackJob<Bits>& job : repacks) {
