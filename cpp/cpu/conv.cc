@@ -701,7 +701,12 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
 
   const int64_t x_rows =
       std::max<int64_t>(0, (p.P - 1) * p.stride_h + (p.R - 1) * p.dilation_h + 1);
-  const int64_t phase_len = cols + ((p.S - 1) * p.dilation_w) / p.stride_w + 1;
+  // One tap at unit stride reads x where dy is: an image's staged rows, x's and dy's both at
+  // pitch `cols` with zeros past Q, run as one flat row, which adds the same products in the
+  // same order (lane l takes the positions l mod lanes, row after row) with no per-row setup
+  // and with x's rows on whole vectors.
+  const bool flat = p.R == 1 && p.S == 1 && p.stride_h == 1 && p.stride_w == 1;
+  const int64_t phase_len = flat ? cols : cols + ((p.S - 1) * p.dilation_w) / p.stride_w + 1;
   const int64_t x_row_pitch = p.stride_w * phase_len;
   const int64_t x_plane = x_rows * x_row_pitch, dy_plane = p.P * cols;
   // Input channels staged together: about 1 MiB of planes, and blocks enough for 16 work items.
@@ -758,8 +763,8 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
       block.dy_channel_pitch = dy_plane;
       block.dy_row_pitch = cols;
       block.images = images;
-      block.rows = p.P;
-      block.cols = cols;
+      block.rows = flat ? 1 : p.P;
+      block.cols = flat ? p.P * cols : cols;
       isa.weight_gradient(block, Kg, partial.data() + slice * weights + (g * Kg * Cg + c0) * RS,
                           Cg * RS);
     }
