@@ -731,7 +731,8 @@ __device__ void transform_weights_indexed(const WeightJob<Bits>& job, int64_t bl
   auto source = [&](Index k, Index c, Index tap) {
     Index channel = c;
     if (flat) channel = c % channels, tap = c / channels;
-    return hwio ? (tap * channels + channel) * groups * Kg + k : (k * channels + channel) * taps + tap;
+    return hwio ? (tap * channels + channel) * groups * Kg + k
+                : (k * channels + channel) * taps + tap;
   };
   const Index segments = (inner_size + kSegment - 1) / kSegment;
   const Index units = Index(job.weight_count) / inner_size * segments;
