@@ -270,9 +270,16 @@ void fill_padded_rows(const CpuLoops<A>& isa, const T* plane, int64_t row_stride
                 inside_end - inside_begin);
       std::fill(row + inside_end, row + width, A(0));
     } else {
+      // Column j goes to phase j % phases, place j / phases: each phase's columns in a run,
+      // without a division per element.
       std::fill(row, row + width, A(0));
-      for (int64_t j = inside_begin; j < inside_end; ++j)
-        row[(j % phases) * phase_len + j / phases] = to_acc(in[j * col_stride]);
+      for (int64_t phase = 0; phase < phases; ++phase) {
+        const int64_t j = inside_begin + (phase - inside_begin % phases + phases) % phases;
+        A* out_phase = row + phase * phase_len + j / phases;
+        const T* column = in + j * col_stride;
+        for (int64_t jj = j; jj < inside_end; jj += phases, column += phases * col_stride)
+          *out_phase++ = to_acc(*column);
+      }
     }
   }
 }
