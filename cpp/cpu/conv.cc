@@ -274,11 +274,10 @@ void fill_padded_rows(const CpuLoops<A>& isa, const T* plane, int64_t row_stride
       // without a division per element.
       std::fill(row, row + width, A(0));
       for (int64_t phase = 0; phase < phases; ++phase) {
-        const int64_t j = inside_begin + (phase - inside_begin % phases + phases) % phases;
-        A* out_phase = row + phase * phase_len + j / phases;
-        const T* column = in + j * col_stride;
-        for (int64_t jj = j; jj < inside_end; jj += phases, column += phases * col_stride)
-          *out_phase++ = to_acc(*column);
+        const int64_t first = inside_begin + (phase - inside_begin % phases + phases) % phases;
+        A* out_phase = row + phase * phase_len;
+        for (int64_t j = first, place = first / phases; j < inside_end; j += phases, ++place)
+          out_phase[place] = to_acc(in[j * col_stride]);
       }
     }
   }
