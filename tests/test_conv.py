@@ -329,6 +329,34 @@ def test_bias_gradient_of_long_sums_matches_float64(layout, dtype):
                 jax.ShapeDtypeStruct((2, k), dtype), dy))(dy))
 
 
+# NCHW through the layout kernel's transposes (two-byte elements move as pairs of columns with
+# 16-byte accesses where rows allow 4-element ones): the benchmark's 3x3 64->64 over 56x56, and
+# ragged tiles (72 channels: a second tile of 8 rows; 30x30 pixels: rows on 4 elements but not
+# 8, a last tile of 4 columns).
+@pytest.mark.skipif(not ON_GPU, reason="the tensor-core path's layout kernels run on a GPU")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("shape", [(32, 64, 56, 56), (40, 72, 30, 30)], ids=str)
+def test_nchw_layout_transposes_match_lax(dtype, shape):
+    """Forward, dgrad and wgrad against lax.conv in float32 at HIGHEST precision (cuDNN) on the
+    same values."""
+    N, C, H, W = shape
+    x, w, dy = random(21, shape, dtype), random(22, (C, C, 3, 3), dtype), random(23, shape, dtype)
+    y, vjp = jax.vjp(jax.jit(lambda x, w: jk.conv2d(x, w, padding=1)), x, w)
+    got = (y,) + vjp(dy)
+
+    def reference(x, w):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), [(1, 1)] * 2,
+                                            precision=jax.lax.Precision.HIGHEST)
+
+    f32 = lambda a: a.astype(jnp.float32)
+    y_ref, vjp_ref = jax.vjp(reference, f32(x), f32(w))
+    expected = (y_ref,) + vjp_ref(f32(dy))
+    tolerance = 1e-3 if dtype == jnp.float32 else rtol(dtype)  # float32 runs as TF32
+    for name, a, e in zip(("output", "d_input", "d_weight"), got, expected):
+        assert a.dtype == dtype, name
+        assert_close(a, e, rtol_=tolerance), name
+
+
 @pytest.mark.skipif(not _ffi.CUDA_BUILT, reason="the CUDA module is not built")
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_tensor_core_path_declines_past_cutlass_int_indexing(layout):

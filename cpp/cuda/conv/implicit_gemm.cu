@@ -602,7 +602,10 @@ struct TransposeJob {
   int64_t in_stride_n, in_stride_g, out_stride_n, out_stride_g;
   int64_t tiles_i, tiles_j;
   int64_t block_begin;
-  bool vector_in, vector_out;  // 4-element accesses are aligned
+  // Set by launch_layout from the strides and pointers: 4-element (vector) and 16-byte (wide)
+  // accesses are aligned on that side.
+  bool vector_in, vector_out, wide_in, wide_out;
+  bool pairs;  // two-byte elements through PairTile (set by launch_layout)
   // > 1: output rows come in runs of flip_period written in reverse order (row j goes to
   // j - j % p + p - 1 - j % p): the taps of flipped KCRS weights.
   int64_t flip_period;
@@ -627,6 +630,8 @@ struct WeightJob {
   int64_t weight_count, bias_count;
   int64_t block_begin, blocks;  // blocks == 0: no weight job in this launch
   bool small_indices;           // every index fits in 31 bits (set by launch_layout)
+  int64_t segment;              // elements per warp of an output row (set by launch_layout)
+  bool vector_rows;             // w and out are 16-byte aligned (set by launch_layout)
 };
 
 // Channels-last activations that CUTLASS cannot read in place (a channel count off the access
@@ -639,6 +644,7 @@ struct RepackJob {
   int64_t rows, groups, channels, padded;
   bool pad;
   int64_t block_begin, blocks;
+  bool small_indices;  // every index fits in 31 bits (set by launch_layout)
 };
 
 template <class Bits>
@@ -650,73 +656,196 @@ struct LayoutJobs {
   WeightJob<Bits> weights;
 };
 
+// The output row that tile row j goes to (flipped KCRS writes each run of taps reversed).
 template <class Bits>
-__device__ __forceinline__ void transpose_tile(const TransposeJob<Bits>& job, int64_t block,
-                                               Bits (&tile)[kTile][kTile + 1]) {
-  const int t = threadIdx.x;
-  // The block's tile and slice: 32-bit arithmetic, as a grid has fewer than 2^31 blocks (a
-  // 64-bit division costs several times more, and every thread does these).
-  uint32_t rest = uint32_t(block);
-  const uint32_t ti = rest % uint32_t(job.tiles_i);
-  rest /= uint32_t(job.tiles_i);
-  const uint32_t tj = rest % uint32_t(job.tiles_j);
-  const uint32_t slice = rest / uint32_t(job.tiles_j);
-  const int64_t n = slice / uint32_t(job.groups), g = slice % uint32_t(job.groups);
-  const Bits* in = job.in + n * job.in_stride_n + g * job.in_stride_g;
-  Bits* out = job.out + n * job.out_stride_n + g * job.out_stride_g;
-  const int64_t i0 = int64_t(ti) * kTile, j0 = int64_t(tj) * kTile;
-  const int lane4 = 4 * (t % 16);  // 16 threads cover a 64-element row, 4 elements each
+__device__ __forceinline__ int64_t transposed_row(const TransposeJob<Bits>& job, int64_t j) {
+  if (job.flip_period <= 1) return j;
+  const uint32_t p = uint32_t(job.flip_period), in_run = uint32_t(j) % p;  // j < 2^31
+  return j - in_run + (p - 1 - in_run);
+}
 
+// A tile's operands (its slice's) and its first row i0 and column j0 in them.
+template <class Bits>
+struct TilePlace {
+  const Bits* in;
+  Bits* out;
+  int64_t i0, j0;
+};
+
+// Tile q of the job (q < 2^31: a launch has fewer blocks), in 32-bit arithmetic (a 64-bit
+// division costs several times more, and every thread does these).
+template <class Bits>
+__device__ __forceinline__ TilePlace<Bits> tile_at(const TransposeJob<Bits>& job, uint32_t q) {
+  const uint32_t ti = q % uint32_t(job.tiles_i);
+  q /= uint32_t(job.tiles_i);
+  const uint32_t tj = q % uint32_t(job.tiles_j), slice = q / uint32_t(job.tiles_j);
+  const int64_t n = slice / uint32_t(job.groups), g = slice % uint32_t(job.groups);
+  return {job.in + n * job.in_stride_n + g * job.in_stride_g,
+          job.out + n * job.out_stride_n + g * job.out_stride_g, int64_t(ti) * kTile,
+          int64_t(tj) * kTile};
+}
+
+// Four-byte elements: 4-element accesses, the tile padded by a column against bank conflicts.
+// Each thread loads 4 vectors (rows t / 16 + 16k), stages them, and stores 4 (columns).
+template <class Bits>
+struct QuadTile {
+  using Shared = Bits[kTile][kTile + 1];
+  Vec4<Bits> v[4];
+
+  __device__ __forceinline__ void load(const TransposeJob<Bits>& job, const TilePlace<Bits>& at) {
+    const int t = threadIdx.x, lane4 = 4 * (t % 16);
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int il = t / 16 + 16 * k;
-    const int64_t i = i0 + il, j = j0 + lane4;
-    Vec4<Bits> v = {};
-    if (i < job.rows) {
-      const Bits* row = in + i * job.in_ld;
+    for (int k = 0; k < 4; ++k) {
+      const int64_t i = at.i0 + t / 16 + 16 * k, j = at.j0 + lane4;
+      v[k] = {};
+      if (i >= job.rows) continue;
+      const Bits* row = at.in + i * job.in_ld;
       if (job.vector_in && j + 3 < job.cols) {
-        v = *reinterpret_cast<const Vec4<Bits>*>(row + j);
+        v[k] = *reinterpret_cast<const Vec4<Bits>*>(row + j);
       } else {
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          if (j + e < job.cols) v.v[e] = row[j + e];
+          if (j + e < job.cols) v[k].v[e] = row[j + e];
       }
     }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) tile[il][lane4 + e] = v.v[e];
   }
+  __device__ __forceinline__ void stage(Shared& tile) const {
+    const int t = threadIdx.x, lane4 = 4 * (t % 16);
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) tile[t / 16 + 16 * k][lane4 + e] = v[k].v[e];
+  }
+  __device__ __forceinline__ static void store(const TransposeJob<Bits>& job,
+                                               const TilePlace<Bits>& at, const Shared& tile) {
+    const int t = threadIdx.x, lane4 = 4 * (t % 16);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int jl = t / 16 + 16 * k;
+      const int64_t j = at.j0 + jl, i = at.i0 + lane4;
+      if (j >= job.out_rows) continue;
+      Vec4<Bits> w;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) w.v[e] = tile[lane4 + e][jl];
+      Bits* row = at.out + transposed_row(job, j) * job.out_ld;
+      if (job.vector_out && i + 3 < job.out_cols) {
+        *reinterpret_cast<Vec4<Bits>*>(row + i) = w;
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (i + e < job.out_cols) row[i + e] = w.v[e];
+      }
+    }
+  }
+};
+
+// Two-byte elements: 16-byte accesses (8 elements) on both sides. The tile is held as 32-bit
+// words, each a pair of adjacent columns, 32 words a row, and row il's words rotated by
+// 4 * (il / 8) so that neither side conflicts on the banks: a quarter warp stores one row's 32
+// words; on the way out, thread (a, c) reads word c of rows 8a .. 8a+7 (bank c + 4a, all 32
+// distinct in a warp) and so holds columns 2c and 2c + 1 of 8 rows: two output rows' 16 bytes.
+struct PairTile {
+  using Shared = uint32_t[kTile][kTile / 2];
+  uint4 v[2];
+
+  __device__ __forceinline__ void load(const TransposeJob<uint16_t>& job,
+                                       const TilePlace<uint16_t>& at) {
+    const int t = threadIdx.x, c8 = 8 * (t % 8);  // 8 threads cover a 64-element row
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int64_t i = at.i0 + t / 8 + 32 * k, j = at.j0 + c8;
+      v[k] = make_uint4(0, 0, 0, 0);
+      if (i >= job.rows) continue;
+      const uint16_t* row = at.in + i * job.in_ld;
+      if (job.wide_in && j + 7 < job.cols) {
+        v[k] = *reinterpret_cast<const uint4*>(row + j);
+      } else if (job.vector_in && j + 7 < job.cols) {
+        const uint2 lo = *reinterpret_cast<const uint2*>(row + j);
+        const uint2 hi = *reinterpret_cast<const uint2*>(row + j + 4);
+        v[k] = make_uint4(lo.x, lo.y, hi.x, hi.y);
+      } else {
+        uint16_t e8[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) e8[e] = j + e < job.cols ? row[j + e] : uint16_t(0);
+        v[k] = make_uint4(e8[0] | uint32_t(e8[1]) << 16, e8[2] | uint32_t(e8[3]) << 16,
+                          e8[4] | uint32_t(e8[5]) << 16, e8[6] | uint32_t(e8[7]) << 16);
+      }
+    }
+  }
+  __device__ __forceinline__ void stage(Shared& words) const {
+    const int t = threadIdx.x, c8 = 8 * (t % 8);
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int il = t / 8 + 32 * k;
+      *reinterpret_cast<uint4*>(&words[il][(c8 / 2 + 4 * (il / 8)) % 32]) = v[k];
+    }
+  }
+  __device__ __forceinline__ static void store(const TransposeJob<uint16_t>& job,
+                                               const TilePlace<uint16_t>& at,
+                                               const Shared& words) {
+    const int t = threadIdx.x, a = t % 8, c = t / 8;  // rows 8a .. 8a+7, word column c
+    uint32_t w[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) w[e] = words[8 * a + e][(c + 4 * a) % 32];
+    const int64_t i = at.i0 + 8 * a;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t j = at.j0 + 2 * c + h;
+      if (j >= job.out_rows) continue;
+      // Output row j holds the low (h = 0) or high halves of the 8 words.
+      const uint32_t sel = h == 0 ? 0x5410 : 0x7632;
+      const uint4 o = make_uint4(__byte_perm(w[0], w[1], sel), __byte_perm(w[2], w[3], sel),
+                                 __byte_perm(w[4], w[5], sel), __byte_perm(w[6], w[7], sel));
+      uint16_t* row = at.out + transposed_row(job, j) * job.out_ld;
+      if (job.wide_out && i + 7 < job.out_cols) {
+        *reinterpret_cast<uint4*>(row + i) = o;
+      } else if (job.vector_out && i + 7 < job.out_cols) {
+        *reinterpret_cast<uint2*>(row + i) = make_uint2(o.x, o.y);
+        *reinterpret_cast<uint2*>(row + i + 4) = make_uint2(o.z, o.w);
+      } else {
+        const uint32_t packed[4] = {o.x, o.y, o.z, o.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          if (i + e < job.out_cols) row[i + e] = uint16_t(packed[e / 2] >> (16 * (e % 2)));
+      }
+    }
+  }
+};
+
+// Tile `block` of the job: loads into registers, staged in shared memory, stored transposed.
+// Two-byte elements take PairTile where both sides' rows allow at least 4-element accesses (on
+// rows off that, e.g. 7x7 = 49 pixels, it measured slower than QuadTile).
+template <class Tile, class Bits, class Shared>
+__device__ __forceinline__ void transpose_one(const TransposeJob<Bits>& job, int64_t block,
+                                              Shared& shared) {
+  const TilePlace<Bits> at = tile_at(job, uint32_t(block));
+  Tile tile;
+  tile.load(job, at);
+  tile.stage(shared);
   __syncthreads();
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int jl = t / 16 + 16 * k;
-    const int64_t j = j0 + jl, i = i0 + lane4;
-    if (j >= job.out_rows) continue;
-    Vec4<Bits> v;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) v.v[e] = tile[lane4 + e][jl];
-    int64_t out_row = j;
-    if (job.flip_period > 1) {
-      const uint32_t p = uint32_t(job.flip_period), in_run = uint32_t(j) % p;  // j < 2^31
-      out_row = j - in_run + (p - 1 - in_run);
-    }
-    Bits* row = out + out_row * job.out_ld;
-    if (job.vector_out && i + 3 < job.out_cols) {
-      *reinterpret_cast<Vec4<Bits>*>(row + i) = v;
-    } else {
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (i + e < job.out_cols) row[i + e] = v.v[e];
-    }
-  }
+  Tile::store(job, at, shared);
 }
 
-// One warp per segment of kSegment elements of an output row [g][outer][r][s] (outer = k, or c
-// when flipped), its lanes along the row's `inner` elements (c, or k when flipped): the row's
-// indices are worked out once per segment, and each element is a multiply-add away, but for the
-// im2col route's unflipped columns, which split into (tap, channel) one by one. The padded bias
-// [G][Kgp] is copied one thread per element after. Index is uint32_t where every index of the
-// job fits (almost always): a 64-bit division costs several times a 32-bit one.
-constexpr int kSegment = 128;
+template <class Bits>
+__device__ __forceinline__ void transpose_tile(const TransposeJob<Bits>& job, int64_t block,
+                                               Bits (&tile)[kTile][kTile + 1]) {
+  if constexpr (sizeof(Bits) == 2) {
+    if (job.pairs) {
+      transpose_one<PairTile>(job, block, *reinterpret_cast<PairTile::Shared*>(&tile[0][0]));
+      return;
+    }
+  }
+  transpose_one<QuadTile<Bits>>(job, block, tile);
+}
+
+// One warp per segment of `segment` elements (32, 64 or 128, chosen by launch_layout so that
+// small filters still spread over many warps) of an output row [g][outer][r][s] (outer = k, or
+// c when flipped), its lanes along the row's `inner` elements (c, or k when flipped): the
+// row's indices are worked out once per segment, and each element is a multiply-add away, but
+// for the im2col route's unflipped columns, which split into (tap, channel) one by one. The
+// padded bias [G][Kgp] is copied one thread per element after. Index is uint32_t where every
+// index of the job fits (almost always): a 64-bit division costs several times a 32-bit one.
+constexpr int kSegment = 128;  // the longest segment
 
 template <class Index, class Bits>
 __device__ void transform_weights_indexed(const WeightJob<Bits>& job, int64_t block) {
@@ -734,13 +863,17 @@ __device__ void transform_weights_indexed(const WeightJob<Bits>& job, int64_t bl
     return hwio ? (tap * channels + channel) * groups * Kg + k
                 : (k * channels + channel) * taps + tap;
   };
-  const Index segments = (inner_size + kSegment - 1) / kSegment;
+  // Along a row (but the im2col route's unflipped one) the source steps by a fixed stride.
+  const Index stride = flip ? (hwio ? 1 : channels * taps) : (hwio ? groups * Kg : taps);
+  constexpr Index kVector = 16 / sizeof(Bits);
+  const Index segment = Index(job.segment);
+  const Index segments = (inner_size + segment - 1) / segment;
   const Index units = Index(job.weight_count) / inner_size * segments;
   const Index lane = threadIdx.x % 32, warps = Index(job.blocks) * (kLayoutThreads / 32);
   for (Index unit = Index(block) * (kLayoutThreads / 32) + threadIdx.x / 32; unit < units;
        unit += warps) {
-    const Index row = unit / segments, begin = unit % segments * kSegment;
-    const Index end = min(inner_size, begin + kSegment);
+    const Index row = unit / segments, begin = unit % segments * segment;
+    const Index end = min(inner_size, begin + segment);
     Index rest = row;
     const Index s = rest % S;
     rest /= S;
@@ -754,21 +887,27 @@ __device__ void transform_weights_indexed(const WeightJob<Bits>& job, int64_t bl
     const Index k0 = g * Kg;
     if (outer >= outer_valid) {
       for (Index i = begin + lane; i < end; i += 32) out[i] = Bits(0);
-    } else if (flip) {  // outer = c, inner = k
-      const Index base = source(k0, outer, tap), k_stride = hwio ? 1 : channels * taps;
-      for (Index i = begin + lane; i < end; i += 32)
-        out[i] = i < inner_valid ? job.w[base + i * k_stride] : Bits(0);
-    } else if (!flat) {  // outer = k, inner = c
-      const Index base = source(k0 + outer, 0, tap), c_stride = hwio ? groups * Kg : taps;
-      for (Index i = begin + lane; i < end; i += 32)
-        out[i] = i < inner_valid ? job.w[base + i * c_stride] : Bits(0);
+    } else if (flip || !flat) {
+      const Index base = flip ? source(k0, outer, tap) : source(k0 + outer, 0, tap);
+      if (stride == 1 && job.vector_rows && base % kVector == 0 && inner_valid % kVector == 0 &&
+          inner_size % kVector == 0) {
+        // A contiguous source row (HWIO flipped: the filters of one (tap, channel)): 16 bytes a
+        // lane. Chunks are all valid or all padding, as both extents are whole chunks.
+        for (Index i = begin + lane * kVector; i < end; i += 32 * kVector)
+          *reinterpret_cast<uint4*>(out + i) =
+              i < inner_valid ? *reinterpret_cast<const uint4*>(job.w + base + i)
+                              : make_uint4(0, 0, 0, 0);
+      } else {
+        for (Index i = begin + lane; i < end; i += 32)
+          out[i] = i < inner_valid ? job.w[base + i * stride] : Bits(0);
+      }
     } else {
       for (Index i = begin + lane; i < end; i += 32)
         out[i] = i < inner_valid ? job.w[source(k0 + outer, i, tap)] : Bits(0);
     }
   }
-  const Index bias_count = Index(job.bias_count), stride = Index(job.blocks) * kLayoutThreads;
-  for (Index j = Index(block) * kLayoutThreads + threadIdx.x; j < bias_count; j += stride) {
+  const Index bias_count = Index(job.bias_count), threads = Index(job.blocks) * kLayoutThreads;
+  for (Index j = Index(block) * kLayoutThreads + threadIdx.x; j < bias_count; j += threads) {
     const Index k = j % Kgp, g = j / Kgp;
     job.bias_out[j] = k < Kg ? job.bias[g * Kg + k] : Bits(0);
   }
@@ -799,11 +938,9 @@ __device__ void repack_indexed(const RepackJob<Bits>& job, int64_t block) {
   }
 }
 
-// Every index of a repack is below groups * rows * padded (and one grid stride past it, under
-// 2^31 + 2^24, still fits in 32 bits).
 template <class Bits>
 __device__ void repack(const RepackJob<Bits>& job, int64_t block) {
-  if (job.groups * job.rows * job.padded < (int64_t(1) << 31))
+  if (job.small_indices)
     repack_indexed<uint32_t>(job, block);
   else
     repack_indexed<int64_t>(job, block);
@@ -811,7 +948,8 @@ __device__ void repack(const RepackJob<Bits>& job, int64_t block) {
 
 template <class Bits>
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutJobs<Bits> jobs) {
-  __shared__ Bits tile[kTile][kTile + 1];
+  // 16-byte aligned: PairTile stores 16 bytes at a time into it.
+  __shared__ __align__(16) Bits tile[kTile][kTile + 1];
   const int64_t block = blockIdx.x;
   if (jobs.repack_count > 1 && block >= jobs.repack[1].block_begin) {
     repack(jobs.repack[1], block - jobs.repack[1].block_begin);
@@ -841,8 +979,6 @@ TransposeJob<Bits> to_nhwc(const void* in, void* out, int64_t N, int64_t G, int6
   job.in_stride_n = G * channels * pixels, job.in_stride_g = channels * pixels;
   job.out_stride_n = pixels * channels_padded, job.out_stride_g = N * pixels * channels_padded;
   job.tiles_i = ceil_div(channels_padded, kTile), job.tiles_j = ceil_div(pixels, kTile);
-  job.vector_in = pixels % 4 == 0 && aligned(in, 4 * sizeof(Bits));
-  job.vector_out = channels_padded % 4 == 0 && aligned(out, 4 * sizeof(Bits));
   return job;
 }
 
@@ -859,8 +995,6 @@ TransposeJob<Bits> to_nchw(const void* in, void* out, int64_t N, int64_t G, int6
   job.in_stride_n = pixels * channels_padded, job.in_stride_g = N * pixels * channels_padded;
   job.out_stride_n = G * channels * pixels, job.out_stride_g = channels * pixels;
   job.tiles_i = ceil_div(pixels, kTile), job.tiles_j = ceil_div(channels, kTile);
-  job.vector_in = channels_padded % 4 == 0 && aligned(in, 4 * sizeof(Bits));
-  job.vector_out = pixels % 4 == 0 && aligned(out, 4 * sizeof(Bits));
   return job;
 }
 
@@ -917,11 +1051,6 @@ bool weights_transpose(WeightJob<Bits>* weights, TransposeJob<Bits>* job) {
     return false;
   }
   job->tiles_i = ceil_div(job->out_cols, kTile), job->tiles_j = ceil_div(job->out_rows, kTile);
-  // 4-element accesses need every row start (and slice start) 4-aligned.
-  job->vector_in = job->in_ld % 4 == 0 && job->in_stride_n % 4 == 0 &&
-                   job->in_stride_g % 4 == 0 && aligned(job->in, 4 * sizeof(Bits));
-  job->vector_out = job->out_ld % 4 == 0 && job->out_stride_n % 4 == 0 &&
-                    job->out_stride_g % 4 == 0 && aligned(job->out, 4 * sizeof(Bits));
   w.weight_count = 0;
   return true;
 }
@@ -938,6 +1067,16 @@ ffi::Error launch_layout(cudaStream_t stream, std::initializer_list<TransposeJob
   auto add_transpose = [&](const TransposeJob<Bits>& job) {
     TransposeJob<Bits>& slot = jobs.transpose[jobs.transpose_count++];
     slot = job;
+    // Accesses of `width` elements need every row start (and slice start) that aligned.
+    auto fits = [](const Bits* base, int64_t ld, int64_t stride_n, int64_t stride_g, int width) {
+      return ld % width == 0 && stride_n % width == 0 && stride_g % width == 0 &&
+             aligned(base, width * int64_t(sizeof(Bits)));
+    };
+    slot.vector_in = fits(job.in, job.in_ld, job.in_stride_n, job.in_stride_g, 4);
+    slot.vector_out = fits(job.out, job.out_ld, job.out_stride_n, job.out_stride_g, 4);
+    slot.wide_in = fits(job.in, job.in_ld, job.in_stride_n, job.in_stride_g, 16 / sizeof(Bits));
+    slot.wide_out = fits(job.out, job.out_ld, job.out_stride_n, job.out_stride_g, 16 / sizeof(Bits));
+    slot.pairs = sizeof(Bits) == 2 && slot.vector_in && slot.vector_out;
     slot.block_begin = blocks;
     blocks += job.tiles_i * job.tiles_j * job.slices;
   };
@@ -949,7 +1088,15 @@ ffi::Error launch_layout(cudaStream_t stream, std::initializer_list<TransposeJob
     jobs.weights.block_begin = blocks;
     const int64_t count = jobs.weights.weight_count + jobs.weights.bias_count;
     const int64_t inner = jobs.weights.flip ? jobs.weights.Kgp : jobs.weights.Cgp;
-    const int64_t units = jobs.weights.weight_count / inner * ceil_div(inner, kSegment);
+    // Segments of 128 elements, halved (down to one per lane) while there would be fewer than
+    // kSpreadWarps of them: a small filter's rows would otherwise sit on a few SMs.
+    constexpr int64_t kSpreadWarps = 2048;
+    const int64_t rows = jobs.weights.weight_count / inner;
+    int64_t segment = kSegment;
+    while (segment > 32 && rows * ceil_div(inner, segment) < kSpreadWarps) segment /= 2;
+    jobs.weights.segment = segment;
+    jobs.weights.vector_rows = aligned(jobs.weights.w, 16) && aligned(jobs.weights.out, 16);
+    const int64_t units = rows * ceil_div(inner, segment);
     jobs.weights.blocks = std::min<int64_t>(
         1024, std::max(ceil_div(units, kLayoutThreads / 32),
                        ceil_div(jobs.weights.bias_count, kLayoutThreads)));
@@ -962,8 +1109,11 @@ ffi::Error launch_layout(cudaStream_t stream, std::initializer_list<TransposeJob
     RepackJob<Bits>& slot = jobs.repack[jobs.repack_count++];
     slot = job;
     slot.block_begin = blocks;
-    slot.blocks = std::min<int64_t>(
-        int64_t(1) << 16, std::max<int64_t>(1, ceil_div(job.groups * job.rows * job.padded, kLayoutThreads)));
+    const int64_t total = job.groups * job.rows * job.padded;
+    slot.blocks = std::min<int64_t>(int64_t(1) << 16,
+                                    std::max<int64_t>(1, ceil_div(total, kLayoutThreads)));
+    // Every index of a repack is below total (and one grid stride past it still fits).
+    slot.small_indices = total + slot.blocks * kLayoutThreads < (int64_t(1) << 31);
     blocks += slot.blocks;
   }
   if (blocks == 0) return ffi::Error::Success();
