@@ -946,8 +946,12 @@ __device__ void repack(const RepackJob<Bits>& job, int64_t block) {
     repack_indexed<int64_t>(job, block);
 }
 
+
+// Six blocks per SM (at most 40 registers a thread): latency, not bandwidth, limits the
+// transposes, and 6 resident blocks against 4 took the half-type NCHW layout passes 8-12% faster
+// on the H100 (bf16 3x3 64->64 N32 56^2: 23.6 -> 21.8 us forward; four-byte elements unchanged).
 template <class Bits>
-__global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutJobs<Bits> jobs) {
+__global__ void __launch_bounds__(kLayoutThreads, 6) layout_kernel(LayoutJobs<Bits> jobs) {
   // 16-byte aligned: PairTile stores 16 bytes at a time into it.
   __shared__ __align__(16) Bits tile[kTile][kTile + 1];
   const int64_t block = blockIdx.x;
