@@ -261,6 +261,10 @@ void fill_padded_rows(const CpuLoops<A>& isa, const T* plane, int64_t row_stride
       return;
     }
   }
+  // Column j goes to phase j % phases, place j / phases: each phase's columns in a run (the
+  // phase's first column worked out once per phase, not per row or element; below the rows).
+  // Two phases with contiguous columns, the usual stride 2: one loop over pairs of columns.
+  const bool pairs = phases == 2 && col_stride == 1;
   for (int64_t t = first; t < last; ++t) {
     A* row = out + t * width;
     const T* in = plane + (row_begin + t) * row_stride + col_begin * col_stride;
@@ -269,16 +273,32 @@ void fill_padded_rows(const CpuLoops<A>& isa, const T* plane, int64_t row_stride
       widen_row(isa, in + inside_begin * col_stride, col_stride, row + inside_begin,
                 inside_end - inside_begin);
       std::fill(row + inside_end, row + width, A(0));
-    } else {
-      // Column j goes to phase j % phases, place j / phases: each phase's columns in a run,
-      // without a division per element.
+    } else if (pairs) {
       std::fill(row, row + width, A(0));
-      for (int64_t phase = 0; phase < phases; ++phase) {
-        const int64_t first = inside_begin + (phase - inside_begin % phases + phases) % phases;
-        A* out_phase = row + phase * phase_len;
-        for (int64_t j = first, place = first / phases; j < inside_end; j += phases, ++place)
-          out_phase[place] = to_acc(in[j * col_stride]);
+      int64_t j = inside_begin;
+      if (j % 2 == 1 && j < inside_end) row[phase_len + j / 2] = to_acc(in[j]), ++j;
+      // j is even: columns j + 2i and j + 2i + 1 go to place j / 2 + i of phases 0 and 1.
+      A* even = row + j / 2;
+      A* odd = row + phase_len + j / 2;
+      const T* source = in + j;
+      const int64_t count = (inside_end - j) / 2;
+      for (int64_t i = 0; i < count; ++i) {
+        even[i] = to_acc(source[2 * i]);
+        odd[i] = to_acc(source[2 * i + 1]);
       }
+      if ((inside_end - j) % 2 == 1) even[count] = to_acc(source[2 * count]);
+    } else {
+      std::fill(row, row + width, A(0));
+    }
+  }
+  if (phases == 1 || pairs) return;
+  for (int64_t phase = 0; phase < phases; ++phase) {
+    const int64_t begin = inside_begin + (phase - inside_begin % phases + phases) % phases;
+    for (int64_t t = first; t < last; ++t) {
+      A* out_phase = out + t * width + phase * phase_len;
+      const T* in = plane + (row_begin + t) * row_stride + col_begin * col_stride;
+      for (int64_t j = begin, place = begin / phases; j < inside_end; j += phases, ++place)
+        out_phase[place] = to_acc(in[j * col_stride]);
     }
   }
 }
