@@ -685,8 +685,9 @@ __device__ __forceinline__ TilePlace<Bits> tile_at(const TransposeJob<Bits>& job
           int64_t(tj) * kTile};
 }
 
-// Four-byte elements: 4-element accesses, the tile padded by a column against bank conflicts.
-// Each thread loads 4 vectors (rows t / 16 + 16k), stages them, and stores 4 (columns).
+// Four-byte elements, and two-byte ones on rows off 4 elements: 4-element accesses, the tile
+// padded by a column against bank conflicts. Each thread loads 4 vectors (rows t / 16 + 16k),
+// stages them, and stores 4 (columns).
 template <class Bits>
 struct QuadTile {
   using Shared = Bits[kTile][kTile + 1];
@@ -946,7 +947,6 @@ __device__ void repack(const RepackJob<Bits>& job, int64_t block) {
     repack_indexed<int64_t>(job, block);
 }
 
-
 // Six blocks per SM (at most 40 registers a thread): latency, not bandwidth, limits the
 // transposes, and 6 resident blocks against 4 took the half-type NCHW layout passes 8-12% faster
 // on the H100 (bf16 3x3 64->64 N32 56^2: 23.6 -> 21.8 us forward; four-byte elements unchanged).
@@ -1078,8 +1078,9 @@ ffi::Error launch_layout(cudaStream_t stream, std::initializer_list<TransposeJob
     };
     slot.vector_in = fits(job.in, job.in_ld, job.in_stride_n, job.in_stride_g, 4);
     slot.vector_out = fits(job.out, job.out_ld, job.out_stride_n, job.out_stride_g, 4);
-    slot.wide_in = fits(job.in, job.in_ld, job.in_stride_n, job.in_stride_g, 16 / sizeof(Bits));
-    slot.wide_out = fits(job.out, job.out_ld, job.out_stride_n, job.out_stride_g, 16 / sizeof(Bits));
+    constexpr int kWide = 16 / sizeof(Bits);
+    slot.wide_in = fits(job.in, job.in_ld, job.in_stride_n, job.in_stride_g, kWide);
+    slot.wide_out = fits(job.out, job.out_ld, job.out_stride_n, job.out_stride_g, kWide);
     slot.pairs = sizeof(Bits) == 2 && slot.vector_in && slot.vector_out;
     slot.block_begin = blocks;
     blocks += job.tiles_i * job.tiles_j * job.slices;
