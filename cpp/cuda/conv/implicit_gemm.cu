@@ -605,7 +605,6 @@ struct TransposeJob {
   // Set by launch_layout from the strides and pointers: 4-element (vector) and 16-byte (wide)
   // accesses are aligned on that side.
   bool vector_in, vector_out, wide_in, wide_out;
-  bool pairs;  // two-byte elements through PairTile (set by launch_layout)
   // > 1: output rows come in runs of flip_period written in reverse order (row j goes to
   // j - j % p + p - 1 - j % p): the taps of flipped KCRS weights.
   int64_t flip_period;
@@ -631,8 +630,21 @@ struct WeightJob {
   int64_t block_begin, blocks;  // blocks == 0: no weight job in this launch
   bool small_indices;           // every index fits in 31 bits (set by launch_layout)
   int64_t segment;              // elements per warp of an output row (set by launch_layout)
-  bool vector_rows;             // w and out are 16-byte aligned (set by launch_layout)
+  // Set by launch_layout: every output row reads a contiguous source row (stride 1, not the
+  // im2col route's unflipped split), both row extents (valid and padded) are whole 16-byte
+  // chunks, and w and out are 16-byte aligned, so the gather can move 16 bytes a lane.
+  bool vector_rows;
 };
+
+// Along an output row (but the im2col route's unflipped one, whose columns split into (tap,
+// channel)), the source index steps by this stride.
+template <class Bits>
+__host__ __device__ __forceinline__ int64_t weight_row_stride(const WeightJob<Bits>& job) {
+  const bool flat = job.flat_C > 0;
+  const int64_t channels = flat ? job.flat_C : job.Cg;
+  const int64_t taps = flat ? job.flat_R * job.flat_S : job.R * job.S;
+  return job.flip ? (job.hwio ? 1 : channels * taps) : (job.hwio ? job.groups * job.Kg : taps);
+}
 
 // Channels-last activations that CUTLASS cannot read in place (a channel count off the access
 // width, or several groups) move between [rows][G * channels] (rows = N * pixels) and the
@@ -831,7 +843,7 @@ template <class Bits>
 __device__ __forceinline__ void transpose_tile(const TransposeJob<Bits>& job, int64_t block,
                                                Bits (&tile)[kTile][kTile + 1]) {
   if constexpr (sizeof(Bits) == 2) {
-    if (job.pairs) {
+    if (job.vector_in && job.vector_out) {
       transpose_one<PairTile>(job, block, *reinterpret_cast<PairTile::Shared*>(&tile[0][0]));
       return;
     }
@@ -864,8 +876,7 @@ __device__ void transform_weights_indexed(const WeightJob<Bits>& job, int64_t bl
     return hwio ? (tap * channels + channel) * groups * Kg + k
                 : (k * channels + channel) * taps + tap;
   };
-  // Along a row (but the im2col route's unflipped one) the source steps by a fixed stride.
-  const Index stride = flip ? (hwio ? 1 : channels * taps) : (hwio ? groups * Kg : taps);
+  const Index stride = Index(weight_row_stride(job));
   constexpr Index kVector = 16 / sizeof(Bits);
   const Index segment = Index(job.segment);
   const Index segments = (inner_size + segment - 1) / segment;
@@ -890,10 +901,10 @@ __device__ void transform_weights_indexed(const WeightJob<Bits>& job, int64_t bl
       for (Index i = begin + lane; i < end; i += 32) out[i] = Bits(0);
     } else if (flip || !flat) {
       const Index base = flip ? source(k0, outer, tap) : source(k0 + outer, 0, tap);
-      if (stride == 1 && job.vector_rows && base % kVector == 0 && inner_valid % kVector == 0 &&
-          inner_size % kVector == 0) {
+      if (job.vector_rows && base % kVector == 0) {
         // A contiguous source row (HWIO flipped: the filters of one (tap, channel)): 16 bytes a
-        // lane. Chunks are all valid or all padding, as both extents are whole chunks.
+        // lane. Chunks are all valid or all padding, as both extents are whole chunks. (base is
+        // a multiple of kVector in every case vector_rows admits; the check costs nothing.)
         for (Index i = begin + lane * kVector; i < end; i += 32 * kVector)
           *reinterpret_cast<uint4*>(out + i) =
               i < inner_valid ? *reinterpret_cast<const uint4*>(job.w + base + i)
@@ -1081,7 +1092,6 @@ ffi::Error launch_layout(cudaStream_t stream, std::initializer_list<TransposeJob
     constexpr int kWide = 16 / sizeof(Bits);
     slot.wide_in = fits(job.in, job.in_ld, job.in_stride_n, job.in_stride_g, kWide);
     slot.wide_out = fits(job.out, job.out_ld, job.out_stride_n, job.out_stride_g, kWide);
-    slot.pairs = sizeof(Bits) == 2 && slot.vector_in && slot.vector_out;
     slot.block_begin = blocks;
     blocks += job.tiles_i * job.tiles_j * job.slices;
   };
@@ -1100,7 +1110,14 @@ ffi::Error launch_layout(cudaStream_t stream, std::initializer_list<TransposeJob
     int64_t segment = kSegment;
     while (segment > 32 && rows * ceil_div(inner, segment) < kSpreadWarps) segment /= 2;
     jobs.weights.segment = segment;
-    jobs.weights.vector_rows = aligned(jobs.weights.w, 16) && aligned(jobs.weights.out, 16);
+    {
+      const WeightJob<Bits>& w = jobs.weights;
+      constexpr int64_t kVector = 16 / sizeof(Bits);
+      const int64_t inner_valid = w.flip ? w.Kg : w.Cg;
+      jobs.weights.vector_rows = (w.flip || w.flat_C == 0) && weight_row_stride(w) == 1 &&
+                                 inner_valid % kVector == 0 && inner % kVector == 0 &&
+                                 aligned(w.w, 16) && aligned(w.out, 16);
+    }
     const int64_t units = rows * ceil_div(inner, segment);
     jobs.weights.blocks = std::min<int64_t>(
         1024, std::max(ceil_div(units, kLayoutThreads / 32),
