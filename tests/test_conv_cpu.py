@@ -7,7 +7,8 @@ here runs its checks in subprocesses, one per instruction set and thread count.
   the dgrad at any stride), with remainders of the register blocks
   (filters not a multiple of 4 or 8, several channel chunks), grouped non-depthwise problems and
   both layouts, forward and every gradient against torch float64, every dtype.
-- The results do not depend on the thread count (bitwise).
+- The results do not depend on the thread count (bitwise), with the wgrad's images in
+  several slices.
 - The vectorized float16 / bfloat16 conversions: exact widening of every float16 bit pattern and
   round-to-nearest-even narrowing (subnormals, overflow, NaN) against NumPy / ml_dtypes.
 """
@@ -38,6 +39,9 @@ DENSE = [
     ((1, 24, 30, 31), (32, 24, 3, 3), dict(padding=1), True),          # several bands
     ((2, 5, 17, 15), (8, 5, 3, 5), dict(stride=(2, 1), padding=(1, 2), dilation=(1, 2)), False),
     ((1, 3, 31, 30), (12, 3, 7, 7), dict(stride=2, padding=3), True),  # a stem
+    # The wgrad's image slices (4096 output positions or more each): 7 images of 30x30 in
+    # slices of 3 and 4, its channel blocks rounded to its register block's columns.
+    ((7, 24, 30, 30), (8, 24, 3, 3), dict(padding=1), False),
 ]
 
 SCRIPT = textwrap.dedent("""

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <numeric>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -69,7 +70,8 @@ struct WeightGradientBlock {
   const int64_t* column_offset;     // per column: the element read by output (0, 0)
   const A* dy;                      // output-gradient planes [image][filter][row][dy_row_pitch]
   int64_t dy_image_pitch, dy_channel_pitch, dy_row_pitch;
-  int64_t images, rows, cols;       // images, P, and Q rounded up to whole vectors (zeros beyond Q)
+  int64_t images, rows, cols;       // images, rows and whole vectors of columns per row (dy zero
+                                    // past Q); at unit stride one flat row per image
 };
 
 template <class A>
@@ -91,6 +93,7 @@ struct CpuLoops {
   void (*narrow_bf16)(const A* in, uint16_t* out, int64_t n);
   void (*weight_gradient)(const WeightGradientBlock<A>&, int64_t filters, A* partial,
                           int64_t partial_stride);
+  int wgrad_columns;  // (channel, tap) columns of weight_gradient's main register block
 };
 
 namespace portable {
@@ -182,20 +185,25 @@ const CpuLoops<A>& loops() {
 // A thread's scratch buffer of at least n elements, uninitialized, kept for the thread's next
 // call when it is at most 4 MiB (allocating, zeroing and faulting in fresh pages on every call
 // cost up to a tenth of a convolution's time); larger ones are the caller's own. Each `slot`
-// is one buffer: a call uses distinct slots for the buffers it holds at once.
+// is one buffer: a call uses distinct slots for the buffers it holds at once. The buffer
+// starts on a 64-byte boundary (a cache line): the loops' vectors then split no line where
+// their offsets are whole vectors.
 template <class A>
 class ThreadScratch {
  public:
   ThreadScratch(int slot, int64_t n) {
     thread_local std::vector<A> kept[3];
-    const size_t count = size_t(std::max<int64_t>(n, 1));
+    constexpr size_t kLine = 64 / sizeof(A);
+    const size_t count = size_t(std::max<int64_t>(n, 1)) + kLine;
+    A* base;
     if (count * sizeof(A) <= (size_t(4) << 20)) {
       if (kept[slot].size() < count) kept[slot].resize(count);
-      data_ = kept[slot].data();
+      base = kept[slot].data();
     } else {
       own_.resize(count);
-      data_ = own_.data();
+      base = own_.data();
     }
+    data_ = base + (kLine - reinterpret_cast<uintptr_t>(base) / sizeof(A) % kLine) % kLine;
   }
   A* data() { return data_; }
 
@@ -713,34 +721,49 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
                           sat_add(sat_mul(p.H, p.W), sat_mul(p.P, p.Q))))
       return run_weight_gradient_direct(dy, x, dw, p);
   }
-  const int64_t cols = round_up(p.Q, isa.lanes);
+  const int64_t L = isa.lanes;
   const TensorStrides xs = p.input_strides(), ys = p.output_strides(), ws = p.filter_strides();
+  // At unit stride, output (p, q) reads, at tap (r, s), staged row p + r * dilation_h, column
+  // q + s * dilation_w: with x's rows and dy's at one pitch (the padded input row, zeros in dy
+  // past Q), the element p * pitch + q + (r * dilation_h * pitch + s * dilation_w), linear in
+  // the flat position j = p * pitch + q. So each image runs as one flat row of P * pitch
+  // positions, rounded up to whole vectors (zeros in dy): no per-row setup, no row padded to
+  // whole vectors. Strided problems run row by row, on stride-phase rows of Q rounded up.
+  const bool flat = p.stride_h == 1 && p.stride_w == 1;
+  const int64_t cols = flat ? p.Q + (p.S - 1) * p.dilation_w : round_up(p.Q, L);
+  const int64_t dy_plane = flat ? round_up(p.P * cols, L) : p.P * cols;
   // Images are reduced in slices fixed by the shapes (never by the thread count), then the
   // slices are added in order. A slice spans at least 4096 output positions, so that the
-  // vector lanes' final sums cost little.
-  const int64_t wanted = std::max<int64_t>(1, ceil_div(4096, std::max<int64_t>(p.P * cols, 1)));
+  // vector lanes' final sums cost little, and the images are shared out evenly (slice i takes
+  // [i * N / slices, (i + 1) * N / slices)): slices of 5 and 3 images would leave one of two
+  // threads idle for a quarter of the pass.
+  const int64_t wanted = std::max<int64_t>(1, ceil_div(4096, std::max<int64_t>(dy_plane, 1)));
   int64_t per_slice = std::clamp<int64_t>(wanted, 1, std::max<int64_t>(p.N, 1));
   const int64_t max_slices = std::max<int64_t>(1, (int64_t(1) << 24) / weights);  // bounds memory
   per_slice = std::max(per_slice, ceil_div(p.N, max_slices));
   const int64_t slices = std::max<int64_t>(1, ceil_div(p.N, per_slice));
+  per_slice = std::max<int64_t>(1, ceil_div(p.N, slices));  // the largest slice's images
   std::vector<A> partial(slices * weights, A(0));
 
   const int64_t x_rows =
       std::max<int64_t>(0, (p.P - 1) * p.stride_h + (p.R - 1) * p.dilation_h + 1);
-  // One tap at unit stride reads x where dy is: an image's staged rows, x's and dy's both at
-  // pitch `cols` with zeros past Q, run as one flat row, which adds the same products in the
-  // same order (lane l takes the positions l mod lanes, row after row) with no per-row setup
-  // and with x's rows on whole vectors.
-  const bool flat = p.R == 1 && p.S == 1 && p.stride_h == 1 && p.stride_w == 1;
   const int64_t phase_len = flat ? cols : cols + ((p.S - 1) * p.dilation_w) / p.stride_w + 1;
   const int64_t x_row_pitch = p.stride_w * phase_len;
-  const int64_t x_plane = x_rows * x_row_pitch, dy_plane = p.P * cols;
-  // Input channels staged together: about 1 MiB of planes, and blocks enough for 16 work items.
+  // Flat planes end in zeros up to the last element a tap reads (and a whole vector).
+  const int64_t x_staged = x_rows * x_row_pitch;
+  const int64_t x_plane =
+      flat ? round_up(dy_plane + (p.R - 1) * p.dilation_h * cols + (p.S - 1) * p.dilation_w, L)
+           : x_staged;
+  // Input channels staged together: about 1 MiB of planes, and blocks enough for 16 work items;
+  // a block's (channel, tap) columns a multiple of the register block's where the channels
+  // allow, so that no column block computes sums it drops.
   const int64_t channel_blocks = std::clamp<int64_t>(ceil_div(16, slices * p.groups), 1, Cg);
-  const int64_t channel_block = std::clamp<int64_t>(
+  int64_t channel_block = std::clamp<int64_t>(
       std::min((int64_t(1) << 20) / int64_t(sizeof(A)) / std::max<int64_t>(per_slice * x_plane, 1),
                ceil_div(Cg, channel_blocks)),
       1, Cg);
+  const int64_t column_unit = isa.wgrad_columns / std::gcd<int64_t>(RS, isa.wgrad_columns);
+  if (channel_block > column_unit) channel_block -= channel_block % column_unit;
   const int64_t blocks = ceil_div(Cg, channel_block);
   std::vector<int64_t> column_offset(channel_block * RS);
   for (int64_t c = 0; c < channel_block; ++c)
@@ -759,24 +782,28 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t slice = item / (p.groups * blocks), g = item / blocks % p.groups;
       const int64_t c0 = item % blocks * channel_block;
-      const int64_t first = slice * per_slice, images = std::min(p.N, first + per_slice) - first;
+      const int64_t first = slice * p.N / slices, images = (slice + 1) * p.N / slices - first;
       if (staged != item / blocks) {
         staged = item / blocks;
         for (int64_t n = 0; n < images; ++n)
-          for (int64_t k = 0; k < Kg; ++k)
+          for (int64_t k = 0; k < Kg; ++k) {
+            A* plane = dy_buffer.data() + (n * Kg + k) * dy_plane;
             for (int64_t row = 0; row < p.P; ++row) {
-              const T* in = dy + ys.at(first + n, g * Kg + k, row, 0);
-              A* out = dy_buffer.data() + ((n * Kg + k) * p.P + row) * cols;
-              widen_row(isa, in, ys.d, out, p.Q);
-              std::fill(out + p.Q, out + cols, A(0));  // whole vectors: zeros past Q
+              A* out = plane + row * cols;
+              widen_row(isa, dy + ys.at(first + n, g * Kg + k, row, 0), ys.d, out, p.Q);
+              std::fill(out + p.Q, out + cols, A(0));  // zeros past Q
             }
+            std::fill(plane + p.P * cols, plane + dy_plane, A(0));
+          }
       }
       const int64_t channels = std::min(channel_block, Cg - c0);
       for (int64_t n = 0; n < images; ++n)
-        for (int64_t c = 0; c < channels; ++c)
+        for (int64_t c = 0; c < channels; ++c) {
+          A* plane = x_buffer.data() + (n * channel_block + c) * x_plane;
           fill_padded_rows(isa, x + xs.at(first + n, g * Cg + c0 + c, 0, 0), xs.c, xs.d, p.H,
-                           p.W, -p.pad_top, x_rows, -p.pad_left, p.stride_w, phase_len,
-                           x_buffer.data() + (n * channel_block + c) * x_plane);
+                           p.W, -p.pad_top, x_rows, -p.pad_left, p.stride_w, phase_len, plane);
+          std::fill(plane + x_staged, plane + x_plane, A(0));
+        }
       WeightGradientBlock<A> block;
       block.x = x_buffer.data();
       block.x_image_pitch = channel_block * x_plane;
@@ -790,18 +817,24 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
       block.dy_row_pitch = cols;
       block.images = images;
       block.rows = flat ? 1 : p.P;
-      block.cols = flat ? p.P * cols : cols;
+      block.cols = flat ? dy_plane : cols;
       isa.weight_gradient(block, Kg, partial.data() + slice * weights + (g * Kg * Cg + c0) * RS,
                           Cg * RS);
     }
   });
-  // The partials are [K][Cg][R][S]; dw is that (KCRS) or [R][S][Cg][K] (HWIO).
-  parallel_for(weights, 1 << 14, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      A sum = partial[i];
-      for (int64_t slice = 1; slice < slices; ++slice) sum += partial[slice * weights + i];
-      dw[ws.at(i / (Cg * RS), i / RS % Cg, i / p.S % p.R, i % p.S)] = from_acc<T>(sum);
-    }
+  // The partials are [K][Cg][R][S]; dw is that (KCRS) or [R][S][Cg][K] (HWIO). One filter's
+  // weights per item, in nested loops (no index divisions per weight).
+  parallel_for(p.K, std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(Cg * RS, 1)),
+               [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k)
+      for (int64_t c = 0; c < Cg; ++c)
+        for (int64_t r = 0; r < p.R; ++r)
+          for (int64_t s = 0; s < p.S; ++s) {
+            const int64_t i = ((k * Cg + c) * p.R + r) * p.S + s;
+            A sum = partial[i];
+            for (int64_t slice = 1; slice < slices; ++slice) sum += partial[slice * weights + i];
+            dw[ws.at(k, c, r, s)] = from_acc<T>(sum);
+          }
   });
 }
 
