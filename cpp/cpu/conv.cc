@@ -60,18 +60,18 @@ struct StencilOutput {
   const A* bias;          // [channels] or nullptr
 };
 
+// The weight gradient's flat rows (conv.cc's run_weight_gradient): column j of the block (an
+// (input channel, tap) pair) reads x at column_offset[j] + i where dy is at i, for i in
+// [0, positions) of every image.
 template <class A>
 struct WeightGradientBlock {
-  const A* x;                       // zero-padded input planes [image][channel][row][x_row_pitch],
-                                    // columns split into stride phases
-  int64_t x_image_pitch, x_row_pitch;
-  int64_t row_step;                 // stride_h
-  int64_t columns;                  // (channel, tap) columns of the block
-  const int64_t* column_offset;     // per column: the element read by output (0, 0)
-  const A* dy;                      // output-gradient planes [image][filter][row][dy_row_pitch]
-  int64_t dy_image_pitch, dy_channel_pitch, dy_row_pitch;
-  int64_t images, rows, cols;       // images, rows and whole vectors of columns per row (dy zero
-                                    // past Q); at unit stride one flat row per image
+  const A* x;                    // staged input planes [image][channel][phase][row][pitch]
+  int64_t x_image_pitch;
+  int64_t columns;               // (channel, tap) columns of the block
+  const int64_t* column_offset;  // per column: the element read by flat position 0
+  const A* dy;                   // staged output-gradient planes [image][filter][row][pitch]
+  int64_t dy_image_pitch, dy_channel_pitch;
+  int64_t images, positions;     // images, and flat positions per image (whole vectors)
 };
 
 template <class A>
@@ -672,6 +672,30 @@ void run_stencil_pass(const StencilPass<T>& s) {
 
 // ---- Backward weight ----------------------------------------------------------------------------
 
+// One stride phase (a, b) of an input plane, staged for the weight gradient: `rows` rows at
+// `pitch`, element (t, u) = x[t * stride_h + a - pad_top][u * stride_w + b - pad_left] (zero
+// outside x), then zeros up to `size`.
+template <class T, class A>
+void fill_phase(const CpuLoops<A>& isa, const T* plane, int64_t row_stride, int64_t col_stride,
+                const ConvProblem& p, int64_t a, int64_t b, int64_t rows, int64_t pitch,
+                int64_t size, A* out) {
+  // The rows and columns of the phase that fall inside x: [t0, t1) and [u0, u1).
+  const int64_t t0 = std::clamp<int64_t>(ceil_div(p.pad_top - a, p.stride_h), 0, rows);
+  const int64_t t1 = std::clamp<int64_t>(ceil_div(p.H + p.pad_top - a, p.stride_h), t0, rows);
+  const int64_t u0 = std::clamp<int64_t>(ceil_div(p.pad_left - b, p.stride_w), 0, pitch);
+  const int64_t u1 = std::clamp<int64_t>(ceil_div(p.W + p.pad_left - b, p.stride_w), u0, pitch);
+  if (t1 > t0 && u1 > u0) {
+    // The phase's rows and columns as a plane of their own (every stride-th row and column).
+    const T* inside = plane + (t0 * p.stride_h + a - p.pad_top) * row_stride +
+                      (u0 * p.stride_w + b - p.pad_left) * col_stride;
+    fill_padded_rows(isa, inside, p.stride_h * row_stride, p.stride_w * col_stride, t1 - t0,
+                     u1 - u0, -t0, rows, -u0, 1, pitch, out);
+  } else {
+    std::fill(out, out + rows * pitch, A(0));
+  }
+  std::fill(out + rows * pitch, out + size, A(0));
+}
+
 // The weight gradient element by element (see run_stencil_direct): dw[g*Kg + k, c, r, s] = sum
 // over images and output positions of dy * x at the tap, in a fixed order.
 template <class T>
@@ -711,27 +735,47 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   const int64_t Kg = p.filters_per_group(), Cg = p.channels_per_group(), RS = p.R * p.S;
   const int64_t weights = p.K * Cg * RS;
   if (weights == 0) return;
+  const int64_t L = isa.lanes;
+  // Output (p, q) reads, at tap (r, s), x row p * stride_h + a - pad_top and column
+  // q * stride_w + b - pad_left (a = r * dilation_h, b = s * dilation_w). Each input plane is
+  // staged as stride phases: phase (a % stride_h, b % stride_w) holds rows t and columns u,
+  // x[t * stride_h + a % stride_h - pad_top][u * stride_w + b % stride_w - pad_left], at
+  // `pitch` per row, so that the tap reads its phase's element (p + a / stride_h) * pitch +
+  // q + b / stride_w. With dy's rows at the same pitch (zeros past Q), that is the flat
+  // position j = p * pitch + q plus a constant: each image runs as one flat row of P * pitch
+  // positions, rounded up to whole vectors (zeros in dy), with no per-row setup and no row
+  // rounded up to whole vectors. Only the phases some tap reads are staged: in order of first
+  // use (at most R and S of them, whatever the stride), each tap's slot among them.
+  const auto phases_of = [](int64_t taps, int64_t dilation, int64_t stride,
+                            std::vector<int64_t>* used, std::vector<int64_t>* slot) {
+    for (int64_t t = 0; t < taps; ++t) {
+      const int64_t phase = t * dilation % stride;
+      const auto it = std::find(used->begin(), used->end(), phase);
+      slot->push_back(it - used->begin());
+      if (it == used->end()) used->push_back(phase);
+    }
+  };
+  std::vector<int64_t> row_phase, col_phase, row_slot, col_slot;
+  phases_of(p.R, p.dilation_h, p.stride_h, &row_phase, &row_slot);
+  phases_of(p.S, p.dilation_w, p.stride_w, &col_phase, &col_slot);
+  const int64_t row_phases = int64_t(row_phase.size()), col_phases = int64_t(col_phase.size());
+  const int64_t reach_rows = (p.R - 1) * p.dilation_h / p.stride_h;
+  const int64_t reach_cols = (p.S - 1) * p.dilation_w / p.stride_w;
   {
-    // The padded input planes run_weight_gradient stages (per thread, at least one) against
-    // the planes of the tensors.
-    const int64_t rows = sat_add(sat_mul(p.P - 1, p.stride_h), sat_mul(p.R - 1, p.dilation_h));
-    const int64_t pitch = sat_mul(p.stride_w, sat_add(round_up(p.Q, isa.lanes),
-                                                      sat_mul(p.S - 1, p.dilation_w) / p.stride_w + 1));
-    if (out_of_proportion(sat_mul(sat_add(rows, 1), pitch), 0,
-                          sat_add(sat_mul(p.H, p.W), sat_mul(p.P, p.Q))))
+    // What run_weight_gradient stages per thread (one image's planes, at least) against the
+    // planes of the tensors.
+    const int64_t staged = sat_mul(
+        row_phases * col_phases,
+        sat_mul(sat_add(sat_add(p.P, reach_rows), 2), sat_add(sat_add(p.Q, reach_cols), L)));
+    if (out_of_proportion(staged, 0, sat_add(sat_mul(p.H, p.W), sat_mul(p.P, p.Q))))
       return run_weight_gradient_direct(dy, x, dw, p);
   }
-  const int64_t L = isa.lanes;
   const TensorStrides xs = p.input_strides(), ys = p.output_strides(), ws = p.filter_strides();
-  // At unit stride, output (p, q) reads, at tap (r, s), staged row p + r * dilation_h, column
-  // q + s * dilation_w: with x's rows and dy's at one pitch (the padded input row, zeros in dy
-  // past Q), the element p * pitch + q + (r * dilation_h * pitch + s * dilation_w), linear in
-  // the flat position j = p * pitch + q. So each image runs as one flat row of P * pitch
-  // positions, rounded up to whole vectors (zeros in dy): no per-row setup, no row padded to
-  // whole vectors. Strided problems run row by row, on stride-phase rows of Q rounded up.
-  const bool flat = p.stride_h == 1 && p.stride_w == 1;
-  const int64_t cols = flat ? p.Q + (p.S - 1) * p.dilation_w : round_up(p.Q, L);
-  const int64_t dy_plane = flat ? round_up(p.P * cols, L) : p.P * cols;
+  const int64_t pitch = p.Q + reach_cols, phase_rows = p.P + reach_rows;
+  const int64_t dy_plane = round_up(p.P * pitch, L);
+  // A phase ends in zeros up to the last element a tap reads (and a whole vector).
+  const int64_t phase_size = round_up(dy_plane + reach_rows * pitch + reach_cols, L);
+  const int64_t x_plane = row_phases * col_phases * phase_size;
   // Images are reduced in slices fixed by the shapes (never by the thread count), then the
   // slices are added in order. A slice spans at least 4096 output positions, so that the
   // vector lanes' final sums cost little, and the images are shared out evenly (slice i takes
@@ -745,19 +789,15 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   per_slice = std::max<int64_t>(1, ceil_div(p.N, slices));  // the largest slice's images
   std::vector<A> partial(slices * weights, A(0));
 
-  const int64_t x_rows =
-      std::max<int64_t>(0, (p.P - 1) * p.stride_h + (p.R - 1) * p.dilation_h + 1);
-  const int64_t phase_len = flat ? cols : cols + ((p.S - 1) * p.dilation_w) / p.stride_w + 1;
-  const int64_t x_row_pitch = p.stride_w * phase_len;
-  // Flat planes end in zeros up to the last element a tap reads (and a whole vector).
-  const int64_t x_staged = x_rows * x_row_pitch;
-  const int64_t x_plane =
-      flat ? round_up(dy_plane + (p.R - 1) * p.dilation_h * cols + (p.S - 1) * p.dilation_w, L)
-           : x_staged;
-  // Input channels staged together: about 1 MiB of planes, and blocks enough for 16 work items;
-  // a block's (channel, tap) columns a multiple of the register block's where the channels
-  // allow, so that no column block computes sums it drops.
-  const int64_t channel_blocks = std::clamp<int64_t>(ceil_div(16, slices * p.groups), 1, Cg);
+  // Input channels staged together: as many as about 1 MiB of planes holds, down to blocks
+  // enough for two work items a thread. Each filter block's dy serves a channel block's columns
+  // from L2, and every channel block reads the whole of dy again, from memory where it is
+  // large: blocks of 6 channels (for 16 work items) took 1x1 64->256 N4 56^2 1.35x the time.
+  // Only the work split depends on the thread count, not a sum. A block's (channel, tap)
+  // columns are a multiple of the register block's where the channels allow, so that no
+  // column block computes sums it drops.
+  const int64_t channel_blocks =
+      std::clamp<int64_t>(ceil_div(2 * parallel_threads(), slices * p.groups), 1, Cg);
   int64_t channel_block = std::clamp<int64_t>(
       std::min((int64_t(1) << 20) / int64_t(sizeof(A)) / std::max<int64_t>(per_slice * x_plane, 1),
                ceil_div(Cg, channel_blocks)),
@@ -768,10 +808,12 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   std::vector<int64_t> column_offset(channel_block * RS);
   for (int64_t c = 0; c < channel_block; ++c)
     for (int64_t r = 0; r < p.R; ++r)
-      for (int64_t s = 0; s < p.S; ++s)
-        column_offset[(c * p.R + r) * p.S + s] =
-            c * x_plane + r * p.dilation_h * x_row_pitch +
-            ((s * p.dilation_w) % p.stride_w) * phase_len + (s * p.dilation_w) / p.stride_w;
+      for (int64_t s = 0; s < p.S; ++s) {
+        const int64_t phase = row_slot[r] * col_phases + col_slot[s];
+        column_offset[(c * p.R + r) * p.S + s] = c * x_plane + phase * phase_size +
+                                                 r * p.dilation_h / p.stride_h * pitch +
+                                                 s * p.dilation_w / p.stride_w;
+      }
 
   const int64_t work = std::max<int64_t>(1, per_slice * Kg * channel_block * RS * p.P * p.Q);
   parallel_for(slices * p.groups * blocks, std::max<int64_t>(1, (int64_t(1) << 16) / work),
@@ -789,35 +831,32 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
           for (int64_t k = 0; k < Kg; ++k) {
             A* plane = dy_buffer.data() + (n * Kg + k) * dy_plane;
             for (int64_t row = 0; row < p.P; ++row) {
-              A* out = plane + row * cols;
+              A* out = plane + row * pitch;
               widen_row(isa, dy + ys.at(first + n, g * Kg + k, row, 0), ys.d, out, p.Q);
-              std::fill(out + p.Q, out + cols, A(0));  // zeros past Q
+              std::fill(out + p.Q, out + pitch, A(0));  // zeros past Q
             }
-            std::fill(plane + p.P * cols, plane + dy_plane, A(0));
+            std::fill(plane + p.P * pitch, plane + dy_plane, A(0));
           }
       }
       const int64_t channels = std::min(channel_block, Cg - c0);
       for (int64_t n = 0; n < images; ++n)
-        for (int64_t c = 0; c < channels; ++c) {
-          A* plane = x_buffer.data() + (n * channel_block + c) * x_plane;
-          fill_padded_rows(isa, x + xs.at(first + n, g * Cg + c0 + c, 0, 0), xs.c, xs.d, p.H,
-                           p.W, -p.pad_top, x_rows, -p.pad_left, p.stride_w, phase_len, plane);
-          std::fill(plane + x_staged, plane + x_plane, A(0));
-        }
+        for (int64_t c = 0; c < channels; ++c)
+          for (int64_t i = 0; i < row_phases; ++i)
+            for (int64_t j = 0; j < col_phases; ++j)
+              fill_phase(isa, x + xs.at(first + n, g * Cg + c0 + c, 0, 0), xs.c, xs.d, p,
+                         row_phase[i], col_phase[j], phase_rows, pitch, phase_size,
+                         x_buffer.data() + (n * channel_block + c) * x_plane +
+                             (i * col_phases + j) * phase_size);
       WeightGradientBlock<A> block;
       block.x = x_buffer.data();
       block.x_image_pitch = channel_block * x_plane;
-      block.x_row_pitch = x_row_pitch;
-      block.row_step = p.stride_h;
       block.columns = channels * RS;
       block.column_offset = column_offset.data();
       block.dy = dy_buffer.data();
       block.dy_image_pitch = Kg * dy_plane;
       block.dy_channel_pitch = dy_plane;
-      block.dy_row_pitch = cols;
       block.images = images;
-      block.rows = flat ? 1 : p.P;
-      block.cols = flat ? dy_plane : cols;
+      block.positions = dy_plane;
       isa.weight_gradient(block, Kg, partial.data() + slice * weights + (g * Kg * Cg + c0) * RS,
                           Cg * RS);
     }
