@@ -42,6 +42,8 @@ DENSE = [
     # The wgrad's image slices (4096 output positions or more each): 7 images of 30x30 in
     # slices of 3 and 4, its channel blocks rounded to its register block's columns.
     ((7, 24, 30, 30), (8, 24, 3, 3), dict(padding=1), False),
+    # 1x1, unit stride, planes of whole vectors (48 pixels): NCHW wgrad reads x and dy in place.
+    ((3, 20, 8, 6), (12, 10, 1, 1), dict(groups=2), True),
 ]
 
 SCRIPT = textwrap.dedent("""

@@ -815,16 +815,41 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
                                                  s * p.dilation_w / p.stride_w;
       }
 
+  // 1x1 taps at unit stride without padding, planes of whole vectors, NCHW in the accumulation
+  // type: the tensors' own planes are the staged ones (same layout, no zeros anywhere), so the
+  // block reads x and dy in place.
+  const bool in_place = std::is_same_v<T, A> && RS == 1 && p.stride_h == 1 &&
+                        p.stride_w == 1 && p.pad_top == 0 && p.pad_left == 0 &&
+                        p.P == p.H && p.Q == p.W && xs.d == 1 && xs.c == p.W && ys.d == 1 &&
+                        ys.c == p.Q && xs.b == x_plane && ys.b == dy_plane;
   const int64_t work = std::max<int64_t>(1, per_slice * Kg * channel_block * RS * p.P * p.Q);
   parallel_for(slices * p.groups * blocks, std::max<int64_t>(1, (int64_t(1) << 16) / work),
                [&](int64_t begin, int64_t end) {
-    ThreadScratch<A> x_buffer(0, per_slice * channel_block * x_plane);
-    ThreadScratch<A> dy_buffer(1, per_slice * Kg * dy_plane);
+    ThreadScratch<A> x_buffer(0, in_place ? 0 : per_slice * channel_block * x_plane);
+    ThreadScratch<A> dy_buffer(1, in_place ? 0 : per_slice * Kg * dy_plane);
     int64_t staged = -1;  // the (slice, group) whose dy is in dy_buffer
     for (int64_t item = begin; item < end; ++item) {
       const int64_t slice = item / (p.groups * blocks), g = item / blocks % p.groups;
       const int64_t c0 = item % blocks * channel_block;
       const int64_t first = slice * p.N / slices, images = (slice + 1) * p.N / slices - first;
+      const int64_t channels = std::min(channel_block, Cg - c0);
+      WeightGradientBlock<A> block;
+      block.columns = channels * RS;
+      block.column_offset = column_offset.data();
+      block.dy_channel_pitch = dy_plane;
+      block.images = images;
+      block.positions = dy_plane;
+      A* partial_block = partial.data() + slice * weights + (g * Kg * Cg + c0) * RS;
+      if constexpr (std::is_same_v<T, A>) {
+        if (in_place) {
+          block.x = x + xs.at(first, g * Cg + c0, 0, 0);
+          block.x_image_pitch = xs.a;
+          block.dy = dy + ys.at(first, g * Kg, 0, 0);
+          block.dy_image_pitch = ys.a;
+          isa.weight_gradient(block, Kg, partial_block, Cg * RS);
+          continue;
+        }
+      }
       if (staged != item / blocks) {
         staged = item / blocks;
         for (int64_t n = 0; n < images; ++n)
@@ -838,7 +863,6 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
             std::fill(plane + p.P * pitch, plane + dy_plane, A(0));
           }
       }
-      const int64_t channels = std::min(channel_block, Cg - c0);
       for (int64_t n = 0; n < images; ++n)
         for (int64_t c = 0; c < channels; ++c)
           for (int64_t i = 0; i < row_phases; ++i)
@@ -847,18 +871,11 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
                          row_phase[i], col_phase[j], phase_rows, pitch, phase_size,
                          x_buffer.data() + (n * channel_block + c) * x_plane +
                              (i * col_phases + j) * phase_size);
-      WeightGradientBlock<A> block;
       block.x = x_buffer.data();
       block.x_image_pitch = channel_block * x_plane;
-      block.columns = channels * RS;
-      block.column_offset = column_offset.data();
       block.dy = dy_buffer.data();
       block.dy_image_pitch = Kg * dy_plane;
-      block.dy_channel_pitch = dy_plane;
-      block.images = images;
-      block.positions = dy_plane;
-      isa.weight_gradient(block, Kg, partial.data() + slice * weights + (g * Kg * Cg + c0) * RS,
-                          Cg * RS);
+      isa.weight_gradient(block, Kg, partial_block, Cg * RS);
     }
   });
   // The partials are [K][Cg][R][S]; dw is that (KCRS) or [R][S][Cg][K] (HWIO). One filter's

@@ -30,4 +30,4 @@ g++ -O2 -std=gnu++17 "$here/main.cc" -o "$work/main" -ldl
 wait
 cd "$work"
 echo "old: $rev ($(git -C "$root" rev-parse --short "$rev")), new: working tree; $pass, $rounds rounds"
-./main "$pass" "$rounds" $filter
+./main "$pass" "$rounds" ${filter:+"$filter"}
