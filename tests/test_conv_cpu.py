@@ -147,3 +147,39 @@ CONVERSIONS = textwrap.dedent("""
 def test_half_conversions_are_exact(isa):
     pytest.importorskip("ml_dtypes")
     assert _run(CONVERSIONS, [], isa, 2) == []
+
+
+# Channels-last weight gradients stage their planes differently (tiles transposed in registers
+# where NCHW copies rows) into the same buffers: the same bits as NCHW's on the same data. Shapes
+# with whole and partial 16-channel tiles, groups, dilation, stride and padding.
+CHANNELS_LAST_WGRAD = [
+    ((2, 20, 9, 11), (18, 20, 3, 3), dict(padding=1)),
+    ((3, 40, 8, 6), (24, 20, 1, 1), dict(groups=2)),
+    ((2, 33, 7, 19), (17, 33, 3, 5), dict(padding=(1, 2), dilation=(1, 2))),
+    ((1, 16, 16, 16), (16, 16, 1, 1), dict()),
+    ((2, 17, 12, 12), (16, 17, 3, 3), dict(stride=2, padding=1)),
+    ((2, 35, 5, 40), (32, 35, 2, 2), dict(padding=3)),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_channels_last_wgrad_has_the_bits_of_nchw(dtype):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    cpu = jax.devices("cpu")[0]
+    rng = np.random.default_rng(1)
+    dt = jnp.dtype(dtype)
+    put = lambda a: jax.device_put(jnp.asarray(a, dt), cpu)
+    for xs, ws, options in CHANNELS_LAST_WGRAD:
+        x, w = rng.standard_normal(xs), rng.standard_normal(ws)
+        y = jax.eval_shape(lambda x, w: jk.conv2d(x, w, **options),
+                           jax.ShapeDtypeStruct(xs, dt), jax.ShapeDtypeStruct(ws, dt))
+        dy = rng.standard_normal(y.shape)
+        nchw = jax.vjp(lambda w: jk.conv2d(put(x), w, **options), put(w))[1](put(dy))[0]
+        nhwc = jax.vjp(lambda w: jk.conv2d(put(x.transpose(0, 2, 3, 1)), w,
+                                           data_format="NHWC", **options),
+                       put(w.transpose(2, 3, 1, 0)))[1](put(dy.transpose(0, 2, 3, 1)))[0]
+        nhwc = np.ascontiguousarray(np.asarray(nhwc).transpose(3, 2, 0, 1))
+        assert np.asarray(nchw).tobytes() == nhwc.tobytes(), (xs, ws, options)
