@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-using Pass = double (*)(const int64_t*, int, float*, int64_t);
+using Pass = double (*)(int, const int64_t*, int, float*, int64_t);
 
 struct Shape {
   const char* name;
@@ -47,7 +47,12 @@ int main(int argc, char** argv) {
   }
   const std::string pass = argv[1];
   const int rounds = std::max(1, std::atoi(argv[2]));
-  const Pass run[2] = {load("./libold.so", "old_" + pass), load("./libnew.so", "new_" + pass)};
+  if (pass != "wgrad" && pass != "fwd") {
+    std::fprintf(stderr, "pass: wgrad or fwd, not %s\n", pass.c_str());
+    return 2;
+  }
+  const int forward = pass == "fwd";
+  const Pass run[2] = {load("./libold.so", "old_pass"), load("./libnew.so", "new_pass")};
   for (const Shape& s : kShapes) {
     if (argc > 3 && std::strstr(s.name, argv[3]) == nullptr) continue;
     const int64_t* d = s.dims;
@@ -60,7 +65,7 @@ int main(int argc, char** argv) {
     for (int r = 0; r < rounds; ++r)
       for (int i = 0; i < 2; ++i) {
         const int which = r % 2 ? 1 - i : i;
-        ms[which].push_back(run[which](d, reps, result[which].data(), size));
+        ms[which].push_back(run[which](forward, d, reps, result[which].data(), size));
       }
     double diff = 0;
     for (int64_t i = 0; i < size; ++i)

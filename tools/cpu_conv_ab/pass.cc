@@ -1,7 +1,7 @@
 // One build of the CPU conv2d kernels for cpu_conv_ab.sh: includes a copy of cpp/cpu/conv.cc
-// (CONV_SRC) and exports two timing entry points, named by PREFIX, that run the weight-gradient
-// or forward pass on random f32 NCHW tensors, `reps` times after one warm-up call, and return
-// the mean ms per call (the result is copied to `out` for the comparison of the two builds).
+// (CONV_SRC) and exports one timing entry point, <PREFIX>_pass, that runs the weight-gradient or
+// forward pass on random f32 NCHW tensors, `reps` times after one warm-up call, and returns the
+// mean ms per call (the result is copied to `out` for the comparison of the two builds).
 #include CONV_SRC
 
 #include <chrono>
@@ -30,40 +30,42 @@ void fill(std::vector<float>& v, uint32_t seed) {
   }
 }
 
-template <class F>
-double time_ms(F&& f, int reps) {
-  f();
+// Random operands a and b of the given sizes; run(a, b, result) timed `reps` times after one
+// warm-up call; the result's first out_size elements copied to `out`.
+template <class Run>
+double measure(int64_t a_size, int64_t b_size, int64_t result_size, int reps, float* out,
+               int64_t out_size, Run&& run) {
+  std::vector<float> a(a_size), b(b_size), result(result_size);
+  fill(a, 1), fill(b, 2);
+  run(a.data(), b.data(), result.data());
   const auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < reps; ++i) f();
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
-         reps;
+  for (int i = 0; i < reps; ++i) run(a.data(), b.data(), result.data());
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
+      reps;
+  std::copy(result.begin(), result.begin() + std::min(out_size, result_size), out);
+  return ms;
 }
 
 }  // namespace
 
-extern "C" __attribute__((visibility("default"))) double JK_AB_CAT(PREFIX, _wgrad)(
-    const int64_t* shape, int reps, float* out, int64_t out_size) {
+// forward != 0: the forward pass (x, w -> y); else the weight gradient (x, dy -> dw).
+extern "C" __attribute__((visibility("default"))) double JK_AB_CAT(PREFIX, _pass)(
+    int forward, const int64_t* shape, int reps, float* out, int64_t out_size) {
   using namespace jax_kernels;
   const ConvProblem p = problem(shape);
-  std::vector<float> x(p.N * p.C * p.H * p.W), dy(p.N * p.K * p.P * p.Q), dw(p.K * p.C * p.R * p.S);
-  fill(x, 1), fill(dy, 2);
-  const double ms = time_ms([&] { run_weight_gradient<float>(dy.data(), x.data(), dw.data(), p); },
-                            reps);
-  std::copy(dw.begin(), dw.begin() + std::min<int64_t>(out_size, int64_t(dw.size())), out);
-  return ms;
-}
-
-extern "C" __attribute__((visibility("default"))) double JK_AB_CAT(PREFIX, _fwd)(
-    const int64_t* shape, int reps, float* out, int64_t out_size) {
-  using namespace jax_kernels;
-  const ConvProblem p = problem(shape);
-  std::vector<float> x(p.N * p.C * p.H * p.W), w(p.K * p.C * p.R * p.S), y(p.N * p.K * p.P * p.Q);
-  fill(x, 1), fill(w, 2);
-  const StencilPass<float> pass{x.data(), w.data(), nullptr, y.data(), p.N, p.groups,
-                                p.channels_per_group(), p.filters_per_group(), forward_rows(p),
-                                forward_cols(p), forward_weights(p), p.input_strides(),
-                                p.output_strides()};
-  const double ms = time_ms([&] { run_stencil_pass(pass); }, reps);
-  std::copy(y.begin(), y.begin() + std::min<int64_t>(out_size, int64_t(y.size())), out);
-  return ms;
+  const int64_t x_size = p.N * p.C * p.H * p.W, w_size = p.K * p.C * p.R * p.S;
+  const int64_t y_size = p.N * p.K * p.P * p.Q;
+  if (forward)
+    return measure(x_size, w_size, y_size, reps, out, out_size,
+                   [&](const float* x, const float* w, float* y) {
+                     run_stencil_pass(StencilPass<float>{
+                         x, w, nullptr, y, p.N, p.groups, p.channels_per_group(),
+                         p.filters_per_group(), forward_rows(p), forward_cols(p),
+                         forward_weights(p), p.input_strides(), p.output_strides()});
+                   });
+  return measure(x_size, y_size, w_size, reps, out, out_size,
+                 [&](const float* x, const float* dy, float* dw) {
+                   run_weight_gradient<float>(dy, x, dw, p);
+                 });
 }
