@@ -851,7 +851,7 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   // Channels-last tensors are staged through tiles transposed in registers (a strided copy per
   // plane took 23% of the 1x1 wgrad's samples): dy's always, x's when it has one phase (unit
   // stride; strided inputs take fill_phase's strided copy).
-  const bool channels_last = xs.b == 1 && ys.b == 1;
+  const bool channels_last = p.layout == ConvLayout::kNHWC;
   const bool one_phase = p.stride_h == 1 && p.stride_w == 1;
   const int64_t work = std::max<int64_t>(1, per_slice * Kg * channel_block * RS * p.P * p.Q);
   parallel_for(slices * p.groups * blocks, std::max<int64_t>(1, (int64_t(1) << 16) / work),
