@@ -844,10 +844,10 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   // 1x1 taps at unit stride without padding, planes of whole vectors, NCHW in the accumulation
   // type: the tensors' own planes are the staged ones (same layout, no zeros anywhere), so the
   // block reads x and dy in place.
-  const bool in_place = std::is_same_v<T, A> && RS == 1 && p.stride_h == 1 &&
-                        p.stride_w == 1 && p.pad_top == 0 && p.pad_left == 0 &&
-                        p.P == p.H && p.Q == p.W && xs.d == 1 && xs.c == p.W && ys.d == 1 &&
-                        ys.c == p.Q && xs.b == x_plane && ys.b == dy_plane;
+  const bool in_place = std::is_same_v<T, A> && p.layout == ConvLayout::kNCHW && RS == 1 &&
+                        p.stride_h == 1 && p.stride_w == 1 && p.pad_top == 0 &&
+                        p.pad_left == 0 && p.P == p.H && p.Q == p.W && xs.b == x_plane &&
+                        ys.b == dy_plane;
   // Channels-last tensors are staged through tiles transposed in registers (a strided copy per
   // plane took 23% of the 1x1 wgrad's samples): dy's always, x's when it has one phase (unit
   // stride; strided inputs take fill_phase's strided copy).
