@@ -9,6 +9,8 @@ here runs its checks in subprocesses, one per instruction set and thread count.
   both layouts, forward and every gradient against torch float64, every dtype.
 - The results do not depend on the thread count (bitwise), with the wgrad's images in
   several slices.
+- Channels-last weight gradients, staged through register transposes, have the bits of NCHW's
+  (float32, float64, bfloat16; strided, grouped, dilated and padded).
 - The vectorized float16 / bfloat16 conversions: exact widening of every float16 bit pattern and
   round-to-nearest-even narrowing (subnormals, overflow, NaN) against NumPy / ml_dtypes.
 """
@@ -150,7 +152,7 @@ def test_half_conversions_are_exact(isa):
 
 
 # Channels-last weight gradients stage their planes differently (tiles transposed in registers
-# where NCHW copies rows) into the same buffers: the same bits as NCHW's on the same data. Shapes
+# at any stride, where NCHW copies rows) into the same buffers: the same bits as NCHW's on the same data. Shapes
 # with whole and partial 16-channel tiles, groups, dilation, stride and padding.
 CHANNELS_LAST_WGRAD = [
     ((2, 20, 9, 11), (18, 20, 3, 3), dict(padding=1)),
@@ -159,6 +161,9 @@ CHANNELS_LAST_WGRAD = [
     ((1, 16, 16, 16), (16, 16, 1, 1), dict()),
     ((2, 17, 12, 12), (16, 17, 3, 3), dict(stride=2, padding=1)),
     ((2, 35, 5, 40), (32, 35, 2, 2), dict(padding=3)),
+    # Strided phases of whole 16-pixel runs (transposed at a pixel stride of stride * C).
+    ((2, 32, 10, 40), (8, 32, 3, 3), dict(stride=2, padding=1)),
+    ((1, 32, 9, 50), (16, 16, 2, 4), dict(stride=(3, 2), padding=(0, 3), groups=2)),
 ]
 
 

@@ -675,30 +675,6 @@ void run_stencil_pass(const StencilPass<T>& s) {
 
 // ---- Backward weight ----------------------------------------------------------------------------
 
-// One stride phase (a, b) of an input plane, staged for the weight gradient: `rows` rows at
-// `pitch`, element (t, u) = x[t * stride_h + a - pad_top][u * stride_w + b - pad_left] (zero
-// outside x), then zeros up to `size`.
-template <class T, class A>
-void fill_phase(const CpuLoops<A>& isa, const T* plane, int64_t row_stride, int64_t col_stride,
-                const ConvProblem& p, int64_t a, int64_t b, int64_t rows, int64_t pitch,
-                int64_t size, A* out) {
-  // The rows and columns of the phase that fall inside x: [t0, t1) and [u0, u1).
-  const int64_t t0 = std::clamp<int64_t>(ceil_div(p.pad_top - a, p.stride_h), 0, rows);
-  const int64_t t1 = std::clamp<int64_t>(ceil_div(p.H + p.pad_top - a, p.stride_h), t0, rows);
-  const int64_t u0 = std::clamp<int64_t>(ceil_div(p.pad_left - b, p.stride_w), 0, pitch);
-  const int64_t u1 = std::clamp<int64_t>(ceil_div(p.W + p.pad_left - b, p.stride_w), u0, pitch);
-  if (t1 > t0 && u1 > u0) {
-    // The phase's rows and columns as a plane of their own (every stride-th row and column).
-    const T* inside = plane + (t0 * p.stride_h + a - p.pad_top) * row_stride +
-                      (u0 * p.stride_w + b - p.pad_left) * col_stride;
-    fill_padded_rows(isa, inside, p.stride_h * row_stride, p.stride_w * col_stride, t1 - t0,
-                     u1 - u0, -t0, rows, -u0, 1, pitch, out);
-  } else {
-    std::fill(out, out + rows * pitch, A(0));
-  }
-  std::fill(out + rows * pitch, out + size, A(0));
-}
-
 // Channels-last pixels into channel planes: out[c * out_pitch + u] = in[u * in_stride + c] for
 // c < channels, u < count; whole lanes x lanes tiles transposed in registers (the accumulation
 // type only), the edges one element at a time.
@@ -720,6 +696,51 @@ void transpose_channels(const CpuLoops<A>& isa, const T* in, int64_t in_stride, 
     for (int64_t u = c < whole_c ? whole_u : 0; u < count; ++u)
       row[u] = to_acc(in[u * in_stride + c]);
   }
+}
+
+// One stride phase (a, b) of a block of `channels` input planes, staged for the weight gradient:
+// channel c's phase at out + c * out_channel_pitch, `rows` rows at `pitch`, element (t, u) =
+// x[c][t * stride_h + a - pad_top][u * stride_w + b - pad_left] (zero outside x), then zeros up
+// to `size`. `planes` is the block's first channel at (0, 0); channels-last blocks (unit channel
+// stride) go through transpose_channels, a row of pixels at a time, the others plane by plane.
+template <class T, class A>
+void fill_phase(const CpuLoops<A>& isa, const T* planes, const TensorStrides& xs,
+                bool channels_last, int64_t channels, const ConvProblem& p, int64_t a, int64_t b,
+                int64_t rows, int64_t pitch, int64_t size, A* out, int64_t out_channel_pitch) {
+  // The rows and columns of the phase that fall inside x: [t0, t1) and [u0, u1).
+  const int64_t t0 = std::clamp<int64_t>(ceil_div(p.pad_top - a, p.stride_h), 0, rows);
+  const int64_t t1 = std::clamp<int64_t>(ceil_div(p.H + p.pad_top - a, p.stride_h), t0, rows);
+  const int64_t u0 = std::clamp<int64_t>(ceil_div(p.pad_left - b, p.stride_w), 0, pitch);
+  const int64_t u1 = std::clamp<int64_t>(ceil_div(p.W + p.pad_left - b, p.stride_w), u0, pitch);
+  const bool inside = t1 > t0 && u1 > u0;
+  // The phase's rows and columns as a plane of their own (every stride-th row and column).
+  const auto first = [&](int64_t c) {
+    return planes + c * xs.b + (t0 * p.stride_h + a - p.pad_top) * xs.c +
+           (u0 * p.stride_w + b - p.pad_left) * xs.d;
+  };
+  for (int64_t c = 0; c < channels; ++c) {
+    A* phase = out + c * out_channel_pitch;
+    if (!inside) {
+      std::fill(phase, phase + size, A(0));
+      continue;
+    }
+    if (!channels_last) {
+      fill_padded_rows(isa, first(c), p.stride_h * xs.c, p.stride_w * xs.d, t1 - t0, u1 - u0,
+                       -t0, rows, -u0, 1, pitch, phase);
+    } else {  // zeros around the rows and columns transposed below
+      std::fill(phase, phase + t0 * pitch, A(0));
+      for (int64_t t = t0; t < t1; ++t) {
+        std::fill(phase + t * pitch, phase + t * pitch + u0, A(0));
+        std::fill(phase + t * pitch + u1, phase + (t + 1) * pitch, A(0));
+      }
+      std::fill(phase + t1 * pitch, phase + rows * pitch, A(0));
+    }
+    std::fill(phase + rows * pitch, phase + size, A(0));
+  }
+  if (channels_last && inside)
+    for (int64_t t = t0; t < t1; ++t)
+      transpose_channels(isa, first(0) + (t - t0) * p.stride_h * xs.c, p.stride_w * xs.d, u1 - u0,
+                         channels, out + t * pitch + u0, out_channel_pitch);
 }
 
 // The weight gradient element by element (see run_stencil_direct): dw[g*Kg + k, c, r, s] = sum
@@ -849,10 +870,8 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
                         p.pad_left == 0 && p.P == p.H && p.Q == p.W && xs.b == x_plane &&
                         ys.b == dy_plane;
   // Channels-last tensors are staged through tiles transposed in registers (a strided copy per
-  // plane took 23% of the 1x1 wgrad's samples): dy's always, x's when it has one phase (unit
-  // stride; strided inputs take fill_phase's strided copy).
+  // plane took 23% of the 1x1 wgrad's samples): dy's planes, and x's phases at any stride.
   const bool channels_last = p.layout == ConvLayout::kNHWC;
-  const bool one_phase = p.stride_h == 1 && p.stride_w == 1;
   const int64_t work = std::max<int64_t>(1, per_slice * Kg * channel_block * RS * p.P * p.Q);
   parallel_for(slices * p.groups * blocks, std::max<int64_t>(1, (int64_t(1) << 16) / work),
                [&](int64_t begin, int64_t end) {
@@ -900,31 +919,14 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
               transpose_channels(isa, dy + ys.at(first + n, g * Kg, row, 0), ys.d, p.Q, Kg,
                                  dy_buffer.data() + n * Kg * dy_plane + row * pitch, dy_plane);
       }
-      if (channels_last && one_phase) {
-        // Channels-last input of one phase: zeros, then each source row's pixels of the
-        // block's channels transposed into place.
-        const int64_t u0 = std::clamp<int64_t>(p.pad_left, 0, pitch);
-        const int64_t u1 = std::clamp<int64_t>(p.W + p.pad_left, u0, pitch);
-        for (int64_t n = 0; n < images; ++n) {
-          A* planes = x_buffer.data() + n * channel_block * x_plane;
-          std::fill(planes, planes + channels * x_plane, A(0));
-          for (int64_t t = 0; t < phase_rows && u1 > u0; ++t) {
-            const int64_t h = t - p.pad_top;
-            if (h < 0 || h >= p.H) continue;
-            transpose_channels(isa, x + xs.at(first + n, g * Cg + c0, h, u0 - p.pad_left),
-                               xs.d, u1 - u0, channels, planes + t * pitch + u0, x_plane);
-          }
-        }
-      } else {
-        for (int64_t n = 0; n < images; ++n)
-          for (int64_t c = 0; c < channels; ++c)
-            for (int64_t i = 0; i < row_phases; ++i)
-              for (int64_t j = 0; j < col_phases; ++j)
-                fill_phase(isa, x + xs.at(first + n, g * Cg + c0 + c, 0, 0), xs.c, xs.d, p,
-                           row_phase[i], col_phase[j], phase_rows, pitch, phase_size,
-                           x_buffer.data() + (n * channel_block + c) * x_plane +
-                               (i * col_phases + j) * phase_size);
-      }
+      for (int64_t n = 0; n < images; ++n)
+        for (int64_t i = 0; i < row_phases; ++i)
+          for (int64_t j = 0; j < col_phases; ++j)
+            fill_phase(isa, x + xs.at(first + n, g * Cg + c0, 0, 0), xs, channels_last, channels,
+                       p, row_phase[i], col_phase[j], phase_rows, pitch, phase_size,
+                       x_buffer.data() + n * channel_block * x_plane +
+                           (i * col_phases + j) * phase_size,
+                       x_plane);
       block.x = x_buffer.data();
       block.x_image_pitch = channel_block * x_plane;
       block.dy = dy_buffer.data();

@@ -3,7 +3,7 @@
 // median ms per call of each, their ratio, the new build's GFLOP/s and the largest relative
 // difference between their results (0 where the bits agree).
 //
-//   main PASS ROUNDS [NAME_FILTER]    PASS: wgrad or fwd
+//   main PASS ROUNDS [NAME_FILTER]    PASS: wgrad or fwd, NCHW; wgrad-nhwc or fwd-nhwc, NHWC
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-using Pass = double (*)(int, const int64_t*, int, float*, int64_t);
+using Pass = double (*)(int, int, const int64_t*, int, float*, int64_t);
 
 struct Shape {
   const char* name;
@@ -42,16 +42,18 @@ Pass load(const char* library, const std::string& symbol) {
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    std::fprintf(stderr, "usage: %s wgrad|fwd ROUNDS [NAME_FILTER]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s wgrad|fwd[-nhwc] ROUNDS [NAME_FILTER]\n", argv[0]);
     return 2;
   }
   const std::string pass = argv[1];
   const int rounds = std::max(1, std::atoi(argv[2]));
-  if (pass != "wgrad" && pass != "fwd") {
-    std::fprintf(stderr, "pass: wgrad or fwd, not %s\n", pass.c_str());
+  const int channels_last = pass.size() > 5 && pass.compare(pass.size() - 5, 5, "-nhwc") == 0;
+  const std::string kind = channels_last ? pass.substr(0, pass.size() - 5) : pass;
+  if (kind != "wgrad" && kind != "fwd") {
+    std::fprintf(stderr, "pass: wgrad or fwd, optionally with -nhwc, not %s\n", pass.c_str());
     return 2;
   }
-  const int forward = pass == "fwd";
+  const int forward = kind == "fwd";
   const Pass run[2] = {load("./libold.so", "old_pass"), load("./libnew.so", "new_pass")};
   for (const Shape& s : kShapes) {
     if (argc > 3 && std::strstr(s.name, argv[3]) == nullptr) continue;
@@ -65,7 +67,7 @@ int main(int argc, char** argv) {
     for (int r = 0; r < rounds; ++r)
       for (int i = 0; i < 2; ++i) {
         const int which = r % 2 ? 1 - i : i;
-        ms[which].push_back(run[which](forward, d, reps, result[which].data(), size));
+        ms[which].push_back(run[which](forward, channels_last, d, reps, result[which].data(), size));
       }
     double diff = 0;
     for (int64_t i = 0; i < size; ++i)

@@ -13,13 +13,14 @@
 
 namespace {
 
-jax_kernels::ConvProblem problem(const int64_t* shape) {
+jax_kernels::ConvProblem problem(const int64_t* shape, bool channels_last) {
   // shape: N, C, H (= W), K, R (= S), stride, padding
   jax_kernels::ConvProblem p{};
   p.N = shape[0], p.C = shape[1], p.H = p.W = shape[2], p.K = shape[3], p.R = p.S = shape[4];
   p.stride_h = p.stride_w = shape[5], p.pad_top = p.pad_left = shape[6];
   p.P = p.Q = (p.H + 2 * shape[6] - p.R) / shape[5] + 1;
   p.dilation_h = p.dilation_w = 1, p.groups = 1;
+  p.layout = channels_last ? jax_kernels::ConvLayout::kNHWC : jax_kernels::ConvLayout::kNCHW;
   return p;
 }
 
@@ -51,9 +52,9 @@ double measure(int64_t a_size, int64_t b_size, int64_t result_size, int reps, fl
 
 // forward != 0: the forward pass (x, w -> y); else the weight gradient (x, dy -> dw).
 extern "C" __attribute__((visibility("default"))) double JK_AB_CAT(PREFIX, _pass)(
-    int forward, const int64_t* shape, int reps, float* out, int64_t out_size) {
+    int forward, int channels_last, const int64_t* shape, int reps, float* out, int64_t out_size) {
   using namespace jax_kernels;
-  const ConvProblem p = problem(shape);
+  const ConvProblem p = problem(shape, channels_last != 0);
   const int64_t x_size = p.N * p.C * p.H * p.W, w_size = p.K * p.C * p.R * p.S;
   const int64_t y_size = p.N * p.K * p.P * p.Q;
   if (forward)
