@@ -357,6 +357,58 @@ def test_nchw_layout_transposes_match_lax(dtype, shape):
         assert_close(a, e, rtol_=tolerance), name
 
 
+# NCHW outputs of one group with unpadded channels, which the Hopper fprop's epilogue writes NCHW
+# through shared memory (forward y and unit-stride dgrad's dx; elsewhere the NHWC result is
+# transposed): planes of odd sizes (63, 143 pixels: images straddle the 128-pixel tiles, single
+# stores), planes of 60 pixels (8-byte vectors of half types, 16-byte ones of float32) and 360
+# (16-byte vectors), a last partial tile of filters (136 = 128 + 8, and dgrad's 72 = 64 + 8
+# channels), bias, stride and dilation.
+NCHW_OUTPUTS = [
+    ((3, 16, 7, 9), (24, 16, 3, 3), dict(padding=1), True),
+    ((2, 16, 6, 10), (32, 16, 3, 3), dict(padding=1), True),
+    ((5, 32, 13, 11), (136, 32, 3, 3), dict(stride=2, padding=1), True),
+    ((2, 24, 20, 18), (40, 24, 3, 3), dict(padding=2, dilation=2), False),
+    ((2, 72, 11, 13), (64, 72, 5, 5), dict(padding=2), True),
+]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the tensor-core path runs on a GPU")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("geometry", NCHW_OUTPUTS, ids=_id)
+def test_nchw_outputs_match_lax_and_the_bits_of_nhwc(dtype, geometry):
+    """Forward and every gradient against lax.conv in float32 at HIGHEST precision on the same
+    values, and the bits of the channels-last path (the same GEMM, written NHWC) transposed."""
+    shape_x, shape_w, options, bias = geometry
+    x, w, b, dy = operands(24, shape_x, shape_w, bias, dtype, options)
+    got = jk_conv(x, w, b, dy, **options)
+
+    stride = options.get("stride", 1)
+    dilation = options.get("dilation", 1)
+    pad = options["padding"]
+
+    def reference(x, w, b):
+        y = jax.lax.conv_general_dilated(x, w, (stride,) * 2, [(pad, pad)] * 2,
+                                         rhs_dilation=(dilation,) * 2,
+                                         precision=jax.lax.Precision.HIGHEST)
+        return y if b is None else y + b[None, :, None, None]
+
+    f32 = lambda a: None if a is None else a.astype(jnp.float32)
+    y_ref, vjp_ref = jax.vjp(reference, f32(x), f32(w), f32(b))
+    expected = (y_ref,) + vjp_ref(f32(dy))
+    tolerance = 1e-3 if dtype == jnp.float32 else rtol(dtype)  # float32 runs as TF32
+    for name, a, e in zip(("output", "d_input", "d_weight", "d_bias"), got, expected):
+        if e is not None:
+            assert a.dtype == dtype, name
+            assert_close(a, e, rtol_=tolerance), name
+
+    nhwc = jax.jit(lambda x, w, b: jk.conv2d(x, w, b, data_format="NHWC", **options))
+    y_last = nhwc(x.transpose(0, 2, 3, 1), w.transpose(2, 3, 1, 0), b)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(y_last.transpose(0, 3, 1, 2)))
+    dx_last = jax.vjp(lambda x: nhwc(x, w.transpose(2, 3, 1, 0), b), x.transpose(0, 2, 3, 1))[1](
+        dy.transpose(0, 2, 3, 1))[0]
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(dx_last.transpose(0, 3, 1, 2)))
+
+
 @pytest.mark.skipif(not _ffi.CUDA_BUILT, reason="the CUDA module is not built")
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_tensor_core_path_declines_past_cutlass_int_indexing(layout):

@@ -26,7 +26,8 @@
 // CUTLASS 3.x sm_90a kernels (implicit_gemm_sm90.cuh), and so is the half types' wgrad, split by
 // a kernel of ours (implicit_gemm_sm90_wgrad.cuh; channels-last partials in HWIO order, summed
 // by launch_wgrad_sum); everywhere else, and for TF32 wgrad, strided dgrad and float32x3, the
-// Sm80 ones (implicit_gemm_kernels.cuh).
+// Sm80 ones (implicit_gemm_kernels.cuh). The Hopper fprop writes NCHW outputs (one group,
+// unpadded channels) from its epilogue, with no transpose after it.
 // Every pass is bitwise reproducible: no atomics anywhere, split-K partials go to separate
 // buffers and are summed in a fixed order.
 //
@@ -446,6 +447,16 @@ bool plan_nhwc(const ConvQuery& query, Plan* plan) {
     }
   }
   if (!choose_kernel(plan->math, &c)) return false;
+  // NCHW outputs of the Hopper fprop (the forward's y, unit-stride dgrad's dx) are written by its
+  // epilogue where they go: no transpose after it. One group, and output channels that need no
+  // padding (the GEMM's columns are then the tensor's channels). The scratch keeps the NHWC
+  // output's region: its size must not depend on the device (a program lowered on a Hopper GPU
+  // may run on another, whose plan writes NHWC and transposes).
+  if (c.sm90 && c.kernel == NhwcKernel::kFprop && p.layout == ConvLayout::kNCHW && G == 1 &&
+      (query.pass == ConvPass::kForward ? Kgp == Kg : Cgp == Cg)) {
+    c.d_nchw = true;
+    if (!can_implement(plan->math, c)) c.d_nchw = false;
+  }
   // The Hopper wgrad writes channels-last partials in HWIO order: their reduction is then a
   // streaming sum (launch_wgrad_sum). OIHW partials would be written one scattered float per
   // lane by its epilogue (measured slower than the transposing reduction of [K,R,S,C] ones).
@@ -1520,6 +1531,9 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
   const int64_t x_group = p.N * input_pixels * Cgp * eb, y_group = p.N * output_pixels * Kgp * eb;
   const int64_t w_group = Kgp * p.R * p.S * Cgp * eb;
   NhwcConv c = plan.conv;
+  // The NCHW epilogue stores 16-byte vectors: an output not aligned to them goes through the
+  // NHWC region (which the scratch keeps) and the transpose.
+  if (c.d_nchw && reinterpret_cast<uintptr_t>(out) % 16 != 0) c.d_nchw = false;
 
   // Channels last: the tensors are used in place where plan_nhwc allowed it, else repacked.
   const bool hwio = p.layout == ConvLayout::kNHWC, in_place = plan.in_place;
@@ -1557,10 +1571,11 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
         c.a = in_place ? a : x_nhwc + g * x_group;
         c.b = w_krsc + g * w_group;
         c.c = bias != nullptr ? bias_padded + g * Kgp * eb : nullptr;
-        c.d = in_place ? out : y_nhwc + g * y_group;
+        c.d = in_place || c.d_nchw ? out : y_nhwc + g * y_group;
         if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
       }
-      if (in_place || !has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
+      if (in_place || c.d_nchw || !has(steps, kImplicitGemmLayoutOut))
+        return ffi::Error::Success();
       if (hwio)
         return launch_layout<Bits>(stream, {}, nullptr,
                                    {repack_job<Bits>(y_nhwc, out, output_rows, G, Kg, Kgp, false)});
@@ -1586,10 +1601,11 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
       for (int64_t g = 0; g < G && has(steps, kImplicitGemmCutlass); ++g) {
         c.a = in_place ? a : dy_nhwc + g * y_group;
         c.b = w_t + g * w_group;
-        c.d = in_place ? out : dx_nhwc + g * x_group;
+        c.d = in_place || c.d_nchw ? out : dx_nhwc + g * x_group;
         if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
       }
-      if (in_place || !has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
+      if (in_place || c.d_nchw || !has(steps, kImplicitGemmLayoutOut))
+        return ffi::Error::Success();
       if (hwio)
         return launch_layout<Bits>(stream, {}, nullptr,
                                    {repack_job<Bits>(dx_nhwc, out, input_rows, G, Cg, Cgp, false)});
@@ -1953,22 +1969,24 @@ bool implicit_gemm_layout_info(const ConvQuery& query, bool with_bias,
   const int64_t w_padded = G * Kgp * p.R * p.S * Cgp;
   const int64_t weight_bytes = (w_count + w_padded) * eb;
   info->in_launches = info->out_launches = 1;
+  const bool out_fused = plan.conv.d_nchw;  // the Hopper epilogue writes NCHW: no pass out
+  if (out_fused) info->out_launches = 0;
   switch (query.pass) {
     case ConvPass::kForward:
       info->in_bytes = (x_count + x_nhwc) * eb + weight_bytes;
       if (with_bias) info->in_bytes += (p.K + G * Kgp) * eb;
-      info->out_bytes = 2 * y_count * eb;
+      info->out_bytes = out_fused ? 0 : 2 * y_count * eb;
       say(info->in_what, std::string(last ? "x repacked" : "x to NHWC") +
                              (with_bias ? " + weights + bias" : " + weights"));
-      say(info->out_what, last ? "y unpacked" : "y to NCHW");
+      say(info->out_what, out_fused ? "" : last ? "y unpacked" : "y to NCHW");
       break;
     case ConvPass::kBackwardData:
       info->in_bytes = (y_count + y_nhwc) * eb + weight_bytes;
-      info->out_bytes = 2 * x_count * eb;
+      info->out_bytes = out_fused ? 0 : 2 * x_count * eb;
       say(info->in_what,
           std::string(last ? "dy repacked" : "dy to NHWC") +
               (plan.dgrad_as_fprop ? " + weights flipped" : " + weights"));
-      say(info->out_what, last ? "dx unpacked" : "dx to NCHW");
+      say(info->out_what, out_fused ? "" : last ? "dx unpacked" : "dx to NCHW");
       break;
     case ConvPass::kBackwardWeight:
     default: {

@@ -46,6 +46,10 @@ struct NhwcConv {
   // the Sm80 one. The planner sets it where the device is compute capability 9.0 and the kernel
   // takes the problem (for kWgrad with a split of its own, at most the planned one).
   bool sm90 = false;
+  // kFprop on Hopper (sm90): d is written NCHW, [N][K][P][Q], by the kernel's epilogue (no NHWC
+  // output and no transpose). The planner sets it for NCHW problems of one group whose output
+  // channels need no padding.
+  bool d_nchw = false;
   const void* a;
   const void* b;
   const void* c;

@@ -6,8 +6,9 @@
 //
 // Kernels (interface in implicit_gemm_kernels.h, NhwcConv with sm90 set):
 // - fprop: a = x [N,H,W,C], b = w [K,R,S,C], bias [K] or null added in the epilogue (a per-column
-//   broadcast of the GEMM), d = y [N,P,Q,K]. Unit-stride dgrad runs as an fprop on flipped,
-//   transposed weights (implicit_gemm.cu prepares them), as on the Sm80 path.
+//   broadcast of the GEMM), d = y [N,P,Q,K], or y [N,K,P,Q] where NhwcConv::d_nchw is set (the
+//   epilogue of implicit_gemm_sm90_nchw_epilogue.cuh). Unit-stride dgrad runs as an fprop on
+//   flipped, transposed weights (implicit_gemm.cu prepares them), as on the Sm80 path.
 // Every output tile is computed by one CTA over the whole reduction (no split-K): the result does
 // not depend on the SM count or the schedule.
 #pragma once
@@ -16,8 +17,10 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <type_traits>
 
 #include "conv/implicit_gemm_kernels.h"
+#include "conv/implicit_gemm_sm90_nchw_epilogue.cuh"
 #include "common/status.h"
 
 #include "cute/tensor.hpp"
@@ -61,8 +64,9 @@ struct Element<Math::kTF32> {
 // consumer warpgroup per CTA; a CTA's epilogue does not overlap its next tile's loads), and a
 // conv's reduction is short (C*R*S = 576 for 3x3x64: 9 k-tiles): so the pipeline gets as many
 // stages as leave room for two CTAs per SM, one CTA's loads overlapping the other's epilogue,
-// rather than all of shared memory for one.
-template <Math M, TileClass kClass>
+// rather than all of shared memory for one. kNchw: y is written NCHW from the registers
+// (implicit_gemm_sm90_nchw_epilogue.cuh), which frees the TMA epilogue's smem for stages.
+template <Math M, TileClass kClass, bool kNchw = false>
 struct FpropConfig {
   using E = typename Element<M>::type;
   static constexpr int kTileK = 128 / int(sizeof(E));
@@ -74,16 +78,23 @@ struct FpropConfig {
   using Layout = cutlass::layout::TensorNHWC;
   // D = acc + bias[k] (the bias pointer may be null: then nothing is added), no source tensor.
   using Fusion = cutlass::epilogue::fusion::LinCombPerColBias<E, float, E, E, float>;
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using NhwcEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, Layout, kAlignment, E,
       Layout, kAlignment, cutlass::epilogue::TmaWarpSpecialized, Fusion>::CollectiveOp;
+  using Epilogue = std::conditional_t<kNchw, NchwEpilogueCollective<E, 128, kTileN>, NhwcEpilogue>;
+  static constexpr bool kChannelsFirst = kNchw;
   // Half of an SM's 228 KiB, less the 1 KiB the driver reserves per CTA and 1 KiB of slack
   // for the pipeline barriers and the kernel's own shared storage.
+  // (The NCHW epilogue's tile shares the stages' storage: the kernel makes mainloop and
+  // epilogue storage one union, as its epilogue runs after the last MMA.)
   static constexpr int kStageBytes = (128 + kTileN) * kTileK * int(sizeof(E));
   static constexpr int kStages =
-      (228 * 1024 / 2 - 2048 - int(sizeof(typename Epilogue::SharedStorage))) / kStageBytes;
+      (228 * 1024 / 2 - 2048 - (kNchw ? 0 : int(sizeof(typename Epilogue::SharedStorage)))) /
+      kStageBytes;
   static_assert(kStages >= 2, "two CTAs per SM need at least a double-buffered pipeline");
+  static_assert(!kNchw || sizeof(typename Epilogue::SharedStorage) <= kStages * kStageBytes,
+                "the NCHW tile fits in the stages' storage");
   using Mainloop = typename cutlass::conv::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, kOp, E, Layout, kAlignment, E, Layout,
       kAlignment, float, TileShape, ClusterShape,
@@ -140,18 +151,27 @@ typename Config::Device::Arguments fprop_arguments(const NhwcConv& c) {
   using Kernel = typename Config::Kernel;
   const typename Config::ProblemShape problem = conv_problem<Config>(c);
   typename Kernel::StrideD stride_d{};
-  // The output's strides (Q, P, N) from the problem's packed NPQK strides, as CUTLASS's own
-  // examples set them.
-  cute::for_each(cute::make_seq<cute::rank<0>(typename Kernel::StrideD{})>{}, [&](auto i) {
-    cute::get<0, i>(stride_d) = problem.stride_C[Config::ProblemShape::RankT - 2 - i];
-  });
-  typename Config::Device::Arguments args{
-      problem,
-      {static_cast<const E*>(c.a), static_cast<const E*>(c.b)},
-      {{}, nullptr, stride_d, static_cast<E*>(c.d), stride_d}};
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
-  args.epilogue.thread.bias_ptr = static_cast<const E*>(c.c);
+  typename Config::Device::Arguments args;
+  if constexpr (Config::kChannelsFirst) {  // y [N][K][P*Q]
+    const int64_t plane = int64_t(c.P) * c.Q;
+    cute::get<0, 1>(stride_d) = int64_t(c.K) * plane;
+    cute::get<1>(stride_d) = plane;
+    args = {problem,
+            {static_cast<const E*>(c.a), static_cast<const E*>(c.b)},
+            {static_cast<const E*>(c.c), static_cast<E*>(c.d), stride_d}};
+  } else {
+    // The output's strides (Q, P, N) from the problem's packed NPQK strides, as CUTLASS's own
+    // examples set them.
+    cute::for_each(cute::make_seq<cute::rank<0>(typename Kernel::StrideD{})>{}, [&](auto i) {
+      cute::get<0, i>(stride_d) = problem.stride_C[Config::ProblemShape::RankT - 2 - i];
+    });
+    args = {problem,
+            {static_cast<const E*>(c.a), static_cast<const E*>(c.b)},
+            {{}, nullptr, stride_d, static_cast<E*>(c.d), stride_d}};
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = 0.0f;
+    args.epilogue.thread.bias_ptr = static_cast<const E*>(c.c);
+  }
   args.hw_info.sm_count = sm_count();
   return args;
 }
@@ -213,6 +233,9 @@ ffi::Error fprop_run(const NhwcConv& c, cudaStream_t stream) {
 
 template <Math M, class F>
 auto with_fprop(const NhwcConv& c, F&& f) {
+  if (c.d_nchw)
+    return c.tile == TileClass::kWide ? f(TypeTag<FpropConfig<M, TileClass::kWide, true>>{})
+                                      : f(TypeTag<FpropConfig<M, TileClass::kNarrow, true>>{});
   return c.tile == TileClass::kWide ? f(TypeTag<FpropConfig<M, TileClass::kWide>>{})
                                     : f(TypeTag<FpropConfig<M, TileClass::kNarrow>>{});
 }
