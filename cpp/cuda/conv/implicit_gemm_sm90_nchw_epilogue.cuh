@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cute/tensor.hpp"
 #include "cutlass/arch/barrier.h"
@@ -31,25 +32,11 @@ namespace jax_kernels {
 namespace implicit_gemm {
 namespace sm90 {
 
-// A vector of kBytes bytes.
+// A vector of kBytes bytes (16, 8, 4 or 2).
 template <int kBytes>
-struct Word;
-template <>
-struct Word<16> {
-  using type = uint4;
-};
-template <>
-struct Word<8> {
-  using type = uint2;
-};
-template <>
-struct Word<4> {
-  using type = uint32_t;
-};
-template <>
-struct Word<2> {
-  using type = uint16_t;
-};
+using Word = std::conditional_t<
+    kBytes == 16, uint4,
+    std::conditional_t<kBytes == 8, uint2, std::conditional_t<kBytes == 4, uint32_t, uint16_t>>>;
 
 template <class E, int kTileM, int kTileN>
 class NchwEpilogue {
@@ -162,7 +149,7 @@ class NchwEpilogue {
   // of V and so is m0), and its address is a multiple of V elements (d is 16-byte aligned).
   template <int V>
   CUTLASS_DEVICE void store(const E* tile, int thread, int m0, int k0, int M, int K) const {
-    using W = typename Word<V * int(sizeof(E))>::type;
+    using W = Word<V * int(sizeof(E))>;
     constexpr int kRuns = kTileM / V, kStep = kThreads / kRuns;
     const int run = thread % kRuns;
     const int m = m0 + run * V;
