@@ -152,8 +152,9 @@ def test_half_conversions_are_exact(isa):
 
 
 # Channels-last weight gradients stage their planes differently (tiles transposed in registers
-# at any stride, where NCHW copies rows) into the same buffers: the same bits as NCHW's on the same data. Shapes
-# with whole and partial 16-channel tiles, groups, dilation, stride and padding.
+# at any stride, where NCHW copies rows) into the same buffers: the same bits as NCHW's on the
+# same data. Shapes with whole and partial 16-channel tiles, groups, dilation, stride and
+# padding.
 CHANNELS_LAST_WGRAD = [
     ((2, 20, 9, 11), (18, 20, 3, 3), dict(padding=1)),
     ((3, 40, 8, 6), (24, 20, 1, 1), dict(groups=2)),

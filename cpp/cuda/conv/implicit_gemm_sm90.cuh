@@ -64,8 +64,8 @@ struct Element<Math::kTF32> {
 // consumer warpgroup per CTA; a CTA's epilogue does not overlap its next tile's loads), and a
 // conv's reduction is short (C*R*S = 576 for 3x3x64: 9 k-tiles): so the pipeline gets as many
 // stages as leave room for two CTAs per SM, one CTA's loads overlapping the other's epilogue,
-// rather than all of shared memory for one. kNchw: y is written NCHW from the registers
-// (implicit_gemm_sm90_nchw_epilogue.cuh), which frees the TMA epilogue's smem for stages.
+// rather than all of shared memory for one. kNchw: y is written NCHW by our epilogue
+// (implicit_gemm_sm90_nchw_epilogue.cuh) instead of CUTLASS's TMA one.
 template <Math M, TileClass kClass, bool kNchw = false>
 struct FpropConfig {
   using E = typename Element<M>::type;
