@@ -3,7 +3,8 @@
 # against the working tree, f32 NCHW (or NHWC: PASS wgrad-nhwc / fwd-nhwc), on six dense shapes
 # (main.cc).
 #
-#   tools/cpu_conv_ab/cpu_conv_ab.sh [OLD_REV (default HEAD)] [wgrad|fwd|wgrad-nhwc|fwd-nhwc] [ROUNDS] [NAME_FILTER]
+#   tools/cpu_conv_ab/cpu_conv_ab.sh [OLD_REV (default HEAD)] [wgrad|fwd|wgrad-nhwc|fwd-nhwc]
+#                                    [ROUNDS] [NAME_FILTER]
 #
 # Each build is a shared library of pass.cc over its copy of conv.cc; the driver loads both and
 # calls them alternately, so that a noisy shared machine slows both alike (separate processes

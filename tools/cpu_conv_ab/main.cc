@@ -67,7 +67,8 @@ int main(int argc, char** argv) {
     for (int r = 0; r < rounds; ++r)
       for (int i = 0; i < 2; ++i) {
         const int which = r % 2 ? 1 - i : i;
-        ms[which].push_back(run[which](forward, channels_last, d, reps, result[which].data(), size));
+        ms[which].push_back(
+            run[which](forward, channels_last, d, reps, result[which].data(), size));
       }
     double diff = 0;
     for (int64_t i = 0; i < size; ++i)

@@ -1,7 +1,8 @@
 // One build of the CPU conv2d kernels for cpu_conv_ab.sh: includes a copy of cpp/cpu/conv.cc
 // (CONV_SRC) and exports one timing entry point, <PREFIX>_pass, that runs the weight-gradient or
-// forward pass on random f32 NCHW tensors, `reps` times after one warm-up call, and returns the
-// mean ms per call (the result is copied to `out` for the comparison of the two builds).
+// forward pass on random f32 tensors (NCHW, or NHWC with HWIO weights where channels_last),
+// `reps` times after one warm-up call, and returns the mean ms per call (the result is copied
+// to `out` for the comparison of the two builds).
 #include CONV_SRC
 
 #include <chrono>
