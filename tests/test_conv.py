@@ -409,6 +409,49 @@ def test_nchw_outputs_match_lax_and_the_bits_of_nhwc(dtype, geometry):
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(dx_last.transpose(0, 3, 1, 2)))
 
 
+# float32 weight gradients of one group at stride 1 and batches of 16 or more, which Hopper runs
+# as TF32 over copies of dy and x with the batch innermost (implicit_gemm_sm90_wgrad_tf32.cuh;
+# elsewhere the Sm80 kernel runs them): box rows of 16 and of 32 images with batch tails (17, 33,
+# 40 images), 3-tap and 1-tap CTAs, 5x5 filters (tap groups of 3 and 2), dilation, asymmetric
+# planes and padding past the filter's reach, filters and channels past a 64-wide tile (72, 96).
+BATCH_INNER_WGRAD = [
+    ((16, 64, 12, 12), (64, 64, 3, 3), dict(padding=1), False),
+    ((17, 72, 9, 11), (96, 72, 3, 3), dict(padding=1), False),
+    ((33, 16, 8, 7), (24, 16, 5, 5), dict(padding=2), False),
+    ((40, 32, 10, 9), (40, 32, 3, 3), dict(padding=(2, 3), dilation=2), False),
+    ((32, 64, 6, 6), (128, 64, 1, 1), dict(padding=1), False),
+]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the tensor-core path runs on a GPU")
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("geometry", BATCH_INNER_WGRAD, ids=_id)
+def test_float32_weight_gradient_of_large_batches_matches_lax(layout, geometry):
+    """The weight gradient against lax.conv at HIGHEST precision (float32 runs as TF32), and
+    the same bits from two calls (fixed split, ordered slice sum)."""
+    shape_x, shape_w, options, _ = geometry
+    x, w, _, dy = operands(25, shape_x, shape_w, False, jnp.float32, options)
+    pad = options["padding"]
+    pad = (pad, pad) if isinstance(pad, int) else pad
+    dilation = options.get("dilation", 1)
+
+    def reference(w):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), [(pad[0], pad[0]), (pad[1], pad[1])],
+                                            rhs_dilation=(dilation,) * 2,
+                                            precision=jax.lax.Precision.HIGHEST)
+
+    expected = jax.vjp(reference, w)[1](dy)[0]
+    if layout == "NHWC":
+        x, dy, w = x.transpose(0, 2, 3, 1), dy.transpose(0, 2, 3, 1), w.transpose(2, 3, 1, 0)
+        expected = expected.transpose(2, 3, 1, 0)
+    weight_gradient = jax.jit(lambda x, w, dy: jax.vjp(
+        lambda w: jk.conv2d(x, w, data_format=layout, **options), w)[1](dy)[0])
+    got = weight_gradient(x, w, dy)
+    assert got.dtype == jnp.float32
+    assert_close(got, expected, rtol_=1e-3)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(weight_gradient(x, w, dy)))
+
+
 @pytest.mark.skipif(not _ffi.CUDA_BUILT, reason="the CUDA module is not built")
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_tensor_core_path_declines_past_cutlass_int_indexing(layout):

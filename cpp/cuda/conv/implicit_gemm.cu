@@ -59,6 +59,7 @@
 namespace jax_kernels {
 namespace {
 
+using implicit_gemm::BatchInnerWgrad;
 using implicit_gemm::BatchedGemm;
 using implicit_gemm::GemmKernel;
 using implicit_gemm::Math;
@@ -178,6 +179,11 @@ struct Plan {
   bool channel_major = false;
   NhwcConv conv{};  // one group's problem; pointers are set at run time
   BatchedGemm gemm{};  // GEMM route; pointers are set at run time
+  // kNhwc wgrad in TF32 of one group at stride 1 and batches of 16 or more: on Hopper the TF32
+  // wgrad over batch-innermost copies (implicit_gemm_sm90_wgrad_tf32.cuh) runs instead of the
+  // Sm80 kernel, in the same scratch regions, which the plan sizes for both on every device.
+  bool batch_inner = false;
+  BatchInnerWgrad batch_inner_wgrad{};  // pointers are set at run time
   // Scratch regions (byte offsets from the 256-byte aligned base) and the bytes to ask for.
   int64_t offset[4] = {0, 0, 0, 0};
   int64_t bytes = -1;
@@ -361,6 +367,37 @@ bool plan_sm90_wgrad(Math math, NhwcConv* c) {
 }
 #endif
 
+// Whether the Hopper TF32 wgrad over batch-innermost copies takes the problem, and its plan:
+// device-independent (the scratch is sized from it everywhere), run only on Hopper. One wave of
+// its CTAs (1 or 2 per nominal SM), slices of at least kMinKIterationsPerSlice k tiles, every
+// slice non-empty.
+bool plan_batch_inner_wgrad(const ConvQuery& query, const Plan& plan, BatchInnerWgrad* w) {
+  const ConvProblem& p = query.problem;
+  if (plan.math != Math::kTF32 || p.groups != 1 || p.stride_h != 1 || p.stride_w != 1 || p.N < 16)
+    return false;
+  const int64_t Nb = round_up(p.N, 4);
+  // The copies' elements and the k tiles in int (the kernel's indices), each box coordinate
+  // well inside int32.
+  const int64_t x_copy = checked_product({Nb, p.C, p.H, p.W}), dy_copy = checked_product({Nb, p.K, p.P, p.Q});
+  if (x_copy < 0 || dy_copy < 0 || x_copy > INT_MAX || dy_copy > INT_MAX) return false;
+  *w = BatchInnerWgrad{};
+  w->N = int(p.N), w->Nb = int(Nb), w->C = int(p.C), w->H = int(p.H), w->W = int(p.W);
+  w->K = int(p.K), w->R = int(p.R), w->S = int(p.S), w->P = int(p.P), w->Q = int(p.Q);
+  w->pad_h = int(p.pad_top), w->pad_w = int(p.pad_left);
+  w->dilation_h = int(p.dilation_h), w->dilation_w = int(p.dilation_w);
+  w->channels_last = p.layout == ConvLayout::kNHWC;
+  w->c_pitch = plan.Cgp;
+  w->slice_elements = plan.Kgp * p.R * p.S * plan.Cgp;
+  const int64_t tiles = implicit_gemm::batch_inner_output_tiles(*w);
+  const int64_t k_tiles = implicit_gemm::batch_inner_k_tiles(*w);
+  int64_t split = std::min({kMaxSplitK,
+                            ceil_div(implicit_gemm::batch_inner_blocks_per_sm(*w) * kNominalSms, tiles),
+                            k_tiles / kMinKIterationsPerSlice});
+  split = std::max<int64_t>(split, 1);
+  w->split = int(ceil_div(k_tiles, ceil_div(k_tiles, split)));
+  return true;
+}
+
 // The kernel family for the planned problem: on Hopper the sm_90a kernels (fprop, also
 // unit-stride dgrad's; wgrad in half types, with its own tile and split) where they take the
 // problem, else the Sm80 one; false if neither does.
@@ -440,8 +477,16 @@ bool plan_nhwc(const ConvQuery& query, Plan* plan) {
       c.kernel = NhwcKernel::kWgrad;
       c.tile = Kgp <= 64 ? TileClass::kNarrow : TileClass::kWide;
       c.split_k = wgrad_split(plan->math, c, p.N * p.P * p.Q, eb);
+      int64_t dy_region = y_bytes, x_region = x_bytes, slices = c.split_k;
+      plan->batch_inner = plan_batch_inner_wgrad(query, *plan, &plan->batch_inner_wgrad);
+      if (plan->batch_inner) {  // room for the batch-innermost copies and their split too
+        const BatchInnerWgrad& w = plan->batch_inner_wgrad;
+        dy_region = std::max(dy_region, checked_product({w.Nb, p.K, p.P, p.Q, 4}));
+        x_region = std::max(x_region, checked_product({w.Nb, p.C, p.H, p.W, 4}));
+        slices = std::max<int64_t>(slices, w.split);
+      }
       if (!lay_out_scratch(plan,
-                           {y_bytes, x_bytes, checked_product({G, c.split_k, w_elements, 4})}))
+                           {dy_region, x_region, checked_product({G, slices, w_elements, 4})}))
         return false;
       break;
     }
@@ -1617,6 +1662,31 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
       char* dy_nhwc = region(base, plan, 0);
       char* x_nhwc = region(base, plan, 1);
       float* partials = reinterpret_cast<float*>(region(base, plan, 2));
+      const int64_t partial_size = Kgp * p.R * p.S * Cgp;
+#if defined(JAX_KERNELS_HAVE_SM90_CONV)
+      if (plan.batch_inner && hopper_kernels()) {
+        // The TF32 wgrad over batch-innermost copies: each tensor, NCHW or NHWC, is one
+        // [N][rest] matrix transposed to [rest][Nb] (zero images past N), one launch for both.
+        BatchInnerWgrad w = plan.batch_inner_wgrad;
+        w.dy = dy_nhwc, w.x = x_nhwc, w.partials = partials;
+        if (has(steps, kImplicitGemmLayoutIn)) {
+          ffi::Error e = launch_layout<Bits>(
+              stream, {to_nhwc<Bits>(a, dy_nhwc, 1, 1, p.N, p.K * output_pixels, w.Nb),
+                       to_nhwc<Bits>(b, x_nhwc, 1, 1, p.N, p.C * input_pixels, w.Nb)});
+          if (e.failure()) return e;
+        }
+        if (has(steps, kImplicitGemmCutlass)) {
+          if (ffi::Error e = implicit_gemm::sm90_tf32_wgrad_run(w, stream); e.failure()) return e;
+        }
+        if (!has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
+        WgradReduction r{};
+        r.Kg = Kg, r.Cg = Cg, r.R = p.R, r.S = p.S, r.Cgp = Cgp;
+        r.hwio = hwio, r.groups = 1;
+        r.quads = Kg * p.R * p.S * ceil_div(Cg, 4);
+        r.slices = w.split, r.slice_stride = partial_size, r.group_stride = w.split * partial_size;
+        return launch_wgrad_reduce(stream, query.dtype, partials, out, r);
+      }
+#endif
       if (has(steps, kImplicitGemmLayoutIn) && !in_place) {
         ffi::Error e =
             hwio ? launch_layout<Bits>(
@@ -1628,7 +1698,6 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
                                 to_nhwc<Bits>(b, x_nhwc, p.N, G, Cg, input_pixels, Cgp)});
         if (e.failure()) return e;
       }
-      const int64_t partial_size = Kgp * p.R * p.S * Cgp;
       for (int64_t g = 0; g < G && has(steps, kImplicitGemmCutlass); ++g) {
         c.a = in_place ? a : dy_nhwc + g * y_group;
         c.b = in_place ? b : x_nhwc + g * x_group;
@@ -1951,6 +2020,16 @@ bool implicit_gemm_layout_info(const ConvQuery& query, bool with_bias,
   // NHWC route: the transposes read the valid channels and write the padded ones; the weight
   // transform writes the padded [G][Kgp][R][S][Cgp] (or its flipped transpose).
   const int64_t G = plan.groups, Kgp = plan.Kgp, Cgp = plan.Cgp;
+  if (plan.batch_inner && hopper_kernels()) {  // the Hopper TF32 wgrad's batch-innermost copies
+    const BatchInnerWgrad& w = plan.batch_inner_wgrad;
+    info->sm90 = true;
+    info->in_launches = info->out_launches = 1;
+    info->in_bytes = (x_count + y_count + w.Nb * (p.C * p.H * p.W + p.K * p.P * p.Q)) * eb;
+    info->out_bytes = w.split * Kgp * p.R * p.S * Cgp * 4 + w_count * eb;
+    say(info->in_what, "dy and x to batch innermost");
+    say(info->out_what, "reduction of split-K partials");
+    return true;
+  }
   if (plan.in_place) {  // channels last in place: the weights in, wgrad's reduction out
     info->in_launches = query.pass == ConvPass::kBackwardWeight ? 0 : 1;
     info->in_bytes = info->in_launches * 2 * w_count * eb;

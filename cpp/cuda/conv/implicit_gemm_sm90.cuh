@@ -245,6 +245,7 @@ auto with_fprop(const NhwcConv& c, F&& f) {
 }  // namespace jax_kernels
 
 #include "conv/implicit_gemm_sm90_wgrad.cuh"
+#include "conv/implicit_gemm_sm90_wgrad_tf32.cuh"
 
 namespace jax_kernels {
 namespace implicit_gemm {
@@ -293,6 +294,42 @@ Sm90WgradTiles sm90_wgrad_tiles(const NhwcConv& conv) {
     });
   }
 }
+
+namespace sm90 {
+
+template <class Config>
+ffi::Error tf32_wgrad_launch(const BatchInnerWgrad& w, cudaStream_t stream) {
+  Tf32WgradParams p{};
+  if (!encode_tf32_wgrad_maps<Config>(&p, w.dy, w.x, w.channels_last, w.Nb, w.C, w.H, w.W, w.K,
+                                      w.P, w.Q))
+    return ffi::Error::Internal("conv2d: the TF32 wgrad's tensor maps could not be built");
+  p.partials = static_cast<float*>(w.partials);
+  p.slice_elements = w.slice_elements, p.c_pitch = w.c_pitch;
+  p.K = w.K, p.C = w.C, p.R = w.R, p.S = w.S;
+  p.pad_h = w.pad_h, p.pad_w = w.pad_w, p.dil_h = w.dilation_h, p.dil_w = w.dilation_w;
+  p.n_blocks = (w.N + Config::kBoxN - 1) / Config::kBoxN;
+  p.q_blocks = (w.Q + Config::kBoxQ - 1) / Config::kBoxQ;
+  p.c_tiles = (w.C + Config::kTileC - 1) / Config::kTileC;
+  p.k_tiles = int(batch_inner_k_tiles(w));
+  p.k_tiles_per_slice = int((p.k_tiles + w.split - 1) / w.split);
+  // Every slice non-empty: the planner's split is ceil(k_tiles / per) for some per.
+  if ((p.k_tiles + p.k_tiles_per_slice - 1) / p.k_tiles_per_slice != w.split)
+    return ffi::Error::Internal("conv2d: the TF32 wgrad's split leaves a slice empty");
+  const dim3 grid(unsigned((w.K + Config::kTileM - 1) / Config::kTileM),
+                  unsigned(batch_inner_output_tiles(w) / ((w.K + Config::kTileM - 1) / Config::kTileM)),
+                  unsigned(w.split));
+  // Every call, as CUTLASS's adapter does: the attribute is cheap to set and holds for the
+  // current device.
+  if (cudaFuncSetAttribute(tf32_wgrad_kernel<Config>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           Config::kSmemBytes) != cudaSuccess) {
+    cudaGetLastError();
+    return ffi::Error::Internal("conv2d: the TF32 wgrad could not set its shared memory size");
+  }
+  tf32_wgrad_kernel<Config><<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p);
+  return launch_status("conv2d (sm90 TF32 wgrad)");
+}
+
+}  // namespace sm90
 
 #define JK_IMPLICIT_GEMM_SM90_INSTANTIATE(math)              \
   template bool sm90_can_implement<math>(const NhwcConv&); \

@@ -1,5 +1,6 @@
-// Hopper (sm_90a) CUTLASS kernels of the tensor-core conv2d path for float32 (TF32); the kernels and their
-// tile table are in implicit_gemm_sm90.cuh. Compiled for sm_90a only (cpp/CMakeLists.txt); without
+// Hopper (sm_90a) kernels of the tensor-core conv2d path for float32 (TF32): CUTLASS's fprop (the
+// kernels and their tile table are in implicit_gemm_sm90.cuh) and our wgrad
+// (implicit_gemm_sm90_wgrad_tf32.cuh). Compiled for sm_90a only (cpp/CMakeLists.txt); without
 // CUTLASS headers this file compiles to nothing.
 #if defined(JAX_KERNELS_HAVE_CUTLASS)
 #include "conv/implicit_gemm_sm90.cuh"
@@ -7,6 +8,18 @@
 namespace jax_kernels {
 namespace implicit_gemm {
 JK_IMPLICIT_GEMM_SM90_INSTANTIATE(Math::kTF32);
+
+// The TF32 wgrad over batch-innermost copies, its configuration from the host tiling
+// (implicit_gemm_kernels.h): taps per CTA and images per box row; 6 pipeline stages.
+ffi::Error sm90_tf32_wgrad_run(const BatchInnerWgrad& w, cudaStream_t stream) {
+  using sm90::Tf32WgradConfig;
+  const bool wide_box = batch_inner_box(w) == 32;
+  if (batch_inner_taps(w) == 1)
+    return wide_box ? sm90::tf32_wgrad_launch<Tf32WgradConfig<1, 6, 32>>(w, stream)
+                    : sm90::tf32_wgrad_launch<Tf32WgradConfig<1, 6, 16>>(w, stream);
+  return wide_box ? sm90::tf32_wgrad_launch<Tf32WgradConfig<3, 6, 32>>(w, stream)
+                  : sm90::tf32_wgrad_launch<Tf32WgradConfig<3, 6, 16>>(w, stream);
+}
 }  // namespace implicit_gemm
 }  // namespace jax_kernels
 #endif
