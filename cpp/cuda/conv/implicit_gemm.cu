@@ -368,12 +368,14 @@ bool plan_sm90_wgrad(Math math, NhwcConv* c) {
 #endif
 
 // Whether the Hopper TF32 wgrad over batch-innermost copies takes the problem, and its plan:
-// device-independent (the scratch is sized from it everywhere), run only on Hopper. One wave of
-// its CTAs (1 or 2 per nominal SM), slices of at least kMinKIterationsPerSlice k tiles, every
-// slice non-empty.
+// device-independent (the scratch is sized from it everywhere), run only on Hopper. 1x1 filters
+// stay on the Sm80 kernel: their copies cost more than the kernel saves (measured: 1x1 64->256
+// at 56^2, NHWC, 159 us against 72). One wave of its CTAs (one per nominal SM), slices of at
+// least kMinKIterationsPerSlice k tiles, every slice non-empty.
 bool plan_batch_inner_wgrad(const ConvQuery& query, const Plan& plan, BatchInnerWgrad* w) {
   const ConvProblem& p = query.problem;
-  if (plan.math != Math::kTF32 || p.groups != 1 || p.stride_h != 1 || p.stride_w != 1 || p.N < 16)
+  if (plan.math != Math::kTF32 || p.groups != 1 || p.stride_h != 1 || p.stride_w != 1 ||
+      p.N < 16 || p.R * p.S == 1)
     return false;
   const int64_t Nb = round_up(p.N, 4);
   // The copies' elements and the k tiles in int (the kernel's indices), each box coordinate
@@ -390,9 +392,7 @@ bool plan_batch_inner_wgrad(const ConvQuery& query, const Plan& plan, BatchInner
   w->slice_elements = plan.Kgp * p.R * p.S * plan.Cgp;
   const int64_t tiles = implicit_gemm::batch_inner_output_tiles(*w);
   const int64_t k_tiles = implicit_gemm::batch_inner_k_tiles(*w);
-  int64_t split = std::min({kMaxSplitK,
-                            ceil_div(implicit_gemm::batch_inner_blocks_per_sm(*w) * kNominalSms, tiles),
-                            k_tiles / kMinKIterationsPerSlice});
+  int64_t split = std::min({kMaxSplitK, ceil_div(kNominalSms, tiles), k_tiles / kMinKIterationsPerSlice});
   split = std::max<int64_t>(split, 1);
   w->split = int(ceil_div(k_tiles, ceil_div(k_tiles, split)));
   return true;

@@ -110,14 +110,14 @@ struct Sm90WgradTiles {
   int64_t output = 0;     // output tiles: the kernel's blocks per slice (0 for TF32: no kernel)
   int64_t reduction = 0;  // k tiles of the N*P*Q reduction, which the slices share out
 };
-// The Hopper TF32 wgrad (implicit_gemm_sm90_wgrad_tf32.cuh, one group, stride 1): reads copies
-// of dy and x with the batch innermost, padded with zero images to Nb (a multiple of 4): of NCHW
-// tensors [K][P][Q][Nb] and [C][H][W][Nb], of NHWC ones [P][Q][K][Nb] and [H][W][C][Nb]. It
-// writes float32 partials [split][Kp][R][S][c_pitch] (WgradOrder::kKRSC), slice_elements apart.
-// Its tiling is host arithmetic, here, so that the planner sizes the scratch the same way on
-// every device and build: taps per CTA (3 of one filter row, or 1 for 1x1 filters), the images
-// of a box row (32, or 16 for batches under 32: the planner takes batches of 16 and more), and
-// its CTAs per SM.
+// The Hopper TF32 wgrad (implicit_gemm_sm90_wgrad_tf32.cuh, one group, stride 1, filters of
+// more than one tap): reads copies of dy and x with the batch innermost, padded with zero images
+// to Nb (a multiple of 4): of NCHW tensors [K][P][Q][Nb] and [C][H][W][Nb], of NHWC ones
+// [P][Q][K][Nb] and [H][W][C][Nb]. It writes float32 partials [split][Kp][R][S][c_pitch]
+// (WgradOrder::kKRSC), slice_elements apart. Its tiling is host arithmetic, here, so that the
+// planner sizes the scratch the same way on every device and build: 64 filters x 3 taps of one
+// filter row x 64 channels a CTA (one CTA per SM: registers and shared memory bound it), box
+// rows of 32 images, or 16 for batches under 32 (the planner takes batches of 16 and more).
 struct BatchInnerWgrad {
   int N, Nb, C, H, W, K, R, S, P, Q;
   int pad_h, pad_w, dilation_h, dilation_w;
@@ -128,18 +128,15 @@ struct BatchInnerWgrad {
   const void* x;
   void* partials;
 };
-inline int batch_inner_taps(const BatchInnerWgrad& w) { return w.S == 1 ? 1 : 3; }
+constexpr int kBatchInnerTaps = 3;
 inline int batch_inner_box(const BatchInnerWgrad& w) { return w.N >= 32 ? 32 : 16; }
 inline int64_t batch_inner_output_tiles(const BatchInnerWgrad& w) {
-  const int64_t taps = batch_inner_taps(w);
-  return (int64_t(w.K) + 63) / 64 * ((int64_t(w.C) + 63) / 64) * w.R * ((w.S + taps - 1) / taps);
+  return (int64_t(w.K) + 63) / 64 * ((int64_t(w.C) + 63) / 64) * w.R *
+         ((w.S + kBatchInnerTaps - 1) / kBatchInnerTaps);
 }
 inline int64_t batch_inner_k_tiles(const BatchInnerWgrad& w) {
   const int64_t box = batch_inner_box(w), pixels = 32 / box;
   return int64_t(w.P) * ((w.N + box - 1) / box) * ((w.Q + pixels - 1) / pixels);
-}
-inline int batch_inner_blocks_per_sm(const BatchInnerWgrad& w) {
-  return batch_inner_taps(w) == 1 ? 2 : 1;  // registers (and shared memory) bound the 3-tap CTA
 }
 ffi::Error sm90_tf32_wgrad_run(const BatchInnerWgrad& wgrad, cudaStream_t stream);
 

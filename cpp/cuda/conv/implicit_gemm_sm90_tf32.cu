@@ -9,16 +9,13 @@ namespace jax_kernels {
 namespace implicit_gemm {
 JK_IMPLICIT_GEMM_SM90_INSTANTIATE(Math::kTF32);
 
-// The TF32 wgrad over batch-innermost copies, its configuration from the host tiling
-// (implicit_gemm_kernels.h): taps per CTA and images per box row; 6 pipeline stages.
+// The TF32 wgrad over batch-innermost copies, its box rows from the host tiling
+// (implicit_gemm_kernels.h); 6 pipeline stages of 32 KB.
 ffi::Error sm90_tf32_wgrad_run(const BatchInnerWgrad& w, cudaStream_t stream) {
   using sm90::Tf32WgradConfig;
-  const bool wide_box = batch_inner_box(w) == 32;
-  if (batch_inner_taps(w) == 1)
-    return wide_box ? sm90::tf32_wgrad_launch<Tf32WgradConfig<1, 6, 32>>(w, stream)
-                    : sm90::tf32_wgrad_launch<Tf32WgradConfig<1, 6, 16>>(w, stream);
-  return wide_box ? sm90::tf32_wgrad_launch<Tf32WgradConfig<3, 6, 32>>(w, stream)
-                  : sm90::tf32_wgrad_launch<Tf32WgradConfig<3, 6, 16>>(w, stream);
+  return batch_inner_box(w) == 32
+             ? sm90::tf32_wgrad_launch<Tf32WgradConfig<kBatchInnerTaps, 6, 32>>(w, stream)
+             : sm90::tf32_wgrad_launch<Tf32WgradConfig<kBatchInnerTaps, 6, 16>>(w, stream);
 }
 }  // namespace implicit_gemm
 }  // namespace jax_kernels
