@@ -388,7 +388,10 @@ bool plan_batch_inner_wgrad(const ConvQuery& query, const Plan& plan, BatchInner
   w->pad_h = int(p.pad_top), w->pad_w = int(p.pad_left);
   w->dilation_h = int(p.dilation_h), w->dilation_w = int(p.dilation_w);
   w->channels_last = p.layout == ConvLayout::kNHWC;
-  w->c_pitch = plan.Cgp;
+  // HWIO partials for HWIO weights: their sum is then a streaming one (launch_wgrad_sum), where
+  // KRSC ones go through the transposing reduction (41.6 of 105 us at 3x3 512->512, 7^2, NHWC).
+  w->order = w->channels_last ? WgradOrder::kRSCK : WgradOrder::kKRSC;
+  w->c_pitch = plan.Cgp, w->k_pitch = plan.Kgp;
   w->slice_elements = plan.Kgp * p.R * p.S * plan.Cgp;
   const int64_t tiles = implicit_gemm::batch_inner_output_tiles(*w);
   const int64_t k_tiles = implicit_gemm::batch_inner_k_tiles(*w);
@@ -1679,6 +1682,12 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
           if (ffi::Error e = implicit_gemm::sm90_tf32_wgrad_run(w, stream); e.failure()) return e;
         }
         if (!has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
+        if (w.order == WgradOrder::kRSCK) {
+          OrderedReduction r{};
+          r.Kg = Kg, r.Cg = Cg, r.R = p.R, r.S = p.S, r.Kgp = Kgp, r.Cgp = Cgp, r.groups = 1;
+          r.slices = w.split, r.slice_stride = partial_size, r.group_stride = w.split * partial_size;
+          return launch_wgrad_sum(stream, query.dtype, partials, out, r);
+        }
         WgradReduction r{};
         r.Kg = Kg, r.Cg = Cg, r.R = p.R, r.S = p.S, r.Cgp = Cgp;
         r.hwio = hwio, r.groups = 1;

@@ -113,8 +113,9 @@ struct Sm90WgradTiles {
 // The Hopper TF32 wgrad (implicit_gemm_sm90_wgrad_tf32.cuh, one group, stride 1, filters of
 // more than one tap): reads copies of dy and x with the batch innermost, padded with zero images
 // to Nb (a multiple of 4): of NCHW tensors [K][P][Q][Nb] and [C][H][W][Nb], of NHWC ones
-// [P][Q][K][Nb] and [H][W][C][Nb]. It writes float32 partials [split][Kp][R][S][c_pitch]
-// (WgradOrder::kKRSC), slice_elements apart. Its tiling is host arithmetic, here, so that the
+// [P][Q][K][Nb] and [H][W][C][Nb]. It writes float32 partials slice_elements apart, each
+// [k_pitch][R][S][c_pitch] (WgradOrder::kKRSC), or [R][S][c_pitch][k_pitch] (kRSCK) for
+// channels-last weights. Its tiling is host arithmetic, here, so that the
 // planner sizes the scratch the same way on every device and build: 64 filters x 3 taps of one
 // filter row x 64 channels a CTA (one CTA per SM: registers and shared memory bound it), box
 // rows of 32 images, or 16 for batches under 32 (the planner takes batches of 16 and more).
@@ -122,7 +123,8 @@ struct BatchInnerWgrad {
   int N, Nb, C, H, W, K, R, S, P, Q;
   int pad_h, pad_w, dilation_h, dilation_w;
   bool channels_last;
-  int64_t c_pitch, slice_elements;
+  WgradOrder order;
+  int64_t c_pitch, k_pitch, slice_elements;
   int split;
   const void* dy;
   const void* x;

@@ -23,8 +23,10 @@
 //
 // GEMM view: M = K filters (64 a tile), N = 64 channels x kTaps taps (r, s..s+kTaps-1) of one
 // filter row, reduction over N*P*Q positions in k tiles of 32. The reduction is split in fixed
-// slices (blockIdx.z), each writing its own float32 partial in [K,R,S,C] order (channels padded
-// to the planner's pitch), the order of the Sm80 kernel's partials: implicit_gemm.cu reduces them in a fixed order (no atomics; the
+// slices (blockIdx.z), each writing its own float32 partial (channels and filters at the
+// planner's pitches) in [K,R,S,C] order, the order of the Sm80 kernel's partials, or for
+// channels-last weights in HWIO's [R,S,C,K], so that their sum is a streaming one, as the half
+// types' Hopper wgrad has it: implicit_gemm.cu reduces them in a fixed order (no atomics; the
 // result depends on the problem and the split, never on the schedule).
 //
 // Warp-specialized: one producer thread (TMA) and one consumer warpgroup (WGMMA, then the
@@ -48,9 +50,10 @@ namespace sm90 {
 struct Tf32WgradParams {
   cute::TmaDescriptor dy;  // 64-byte aligned (the type is), as TMA requires
   cute::TmaDescriptor x;
-  float* partials;         // [split][K'][R][S][c_pitch] float32, K' >= K, c_pitch >= C
-  int64_t slice_elements;  // K'*R*S*c_pitch
-  int64_t c_pitch;
+  float* partials;         // [split][k_pitch][R][S][c_pitch], or [split][R][S][c_pitch][k_pitch]
+  int64_t slice_elements;  // k_pitch*R*S*c_pitch (k_pitch >= K, c_pitch >= C)
+  int64_t c_pitch, k_pitch;
+  bool rsck;               // the second order (channels-last weights: a streaming sum)
   int K, C, R, S;
   int pad_h, pad_w, dil_h, dil_w;
   int n_blocks, q_blocks;   // k tiles per output row: n_blocks * q_blocks (8 images, 4 pixels)
@@ -191,7 +194,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
 
-  // The partial, [K][R][S][C] from the registers (pairs of channels are adjacent).
+  // The partial from the registers: [K][R][S][C] (pairs of channels adjacent), or [R][S][C][K]
+  // (8 filters of a warp's store adjacent).
   Tensor coord = thr.partition_C(make_identity_tensor(Shape<Int<Config::kTileM>, Int<Config::kTileN>>{}));
   float* out = p.partials + int64_t(blockIdx.z) * p.slice_elements;
   CUTE_UNROLL
@@ -201,7 +205,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     const int t = n / Config::kTileC;
     const int c = c0 + n % Config::kTileC;
     if (m < p.K && c < p.C && t < taps)
-      out[((int64_t(m) * p.R + r) * p.S + (s0 + t)) * p.c_pitch + c] = acc(e);
+      out[p.rsck ? ((int64_t(r) * p.S + s0 + t) * p.c_pitch + c) * p.k_pitch + m
+                 : ((int64_t(m) * p.R + r) * p.S + (s0 + t)) * p.c_pitch + c] = acc(e);
   }
 #else
   (void)p;
