@@ -179,9 +179,10 @@ struct Plan {
   bool channel_major = false;
   NhwcConv conv{};  // one group's problem; pointers are set at run time
   BatchedGemm gemm{};  // GEMM route; pointers are set at run time
-  // kNhwc wgrad in TF32 of one group at stride 1 and batches of 16 or more: on Hopper the TF32
-  // wgrad over batch-innermost copies (implicit_gemm_sm90_wgrad_tf32.cuh) runs instead of the
-  // Sm80 kernel, in the same scratch regions, which the plan sizes for both on every device.
+  // kNhwc wgrad in TF32 of one group at stride 1, filters of more than one tap and batches of
+  // 16 or more (plan_batch_inner_wgrad): on Hopper the TF32 wgrad over batch-innermost copies
+  // (implicit_gemm_sm90_wgrad_tf32.cuh) runs instead of the Sm80 kernel, in the same scratch
+  // regions, which the plan sizes for both on every device.
   bool batch_inner = false;
   BatchInnerWgrad batch_inner_wgrad{};  // pointers are set at run time
   // Scratch regions (byte offsets from the 256-byte aligned base) and the bytes to ask for.
@@ -380,7 +381,8 @@ bool plan_batch_inner_wgrad(const ConvQuery& query, const Plan& plan, BatchInner
   const int64_t Nb = round_up(p.N, 4);
   // The copies' elements and the k tiles in int (the kernel's indices), each box coordinate
   // well inside int32.
-  const int64_t x_copy = checked_product({Nb, p.C, p.H, p.W}), dy_copy = checked_product({Nb, p.K, p.P, p.Q});
+  const int64_t x_copy = checked_product({Nb, p.C, p.H, p.W});
+  const int64_t dy_copy = checked_product({Nb, p.K, p.P, p.Q});
   if (x_copy < 0 || dy_copy < 0 || x_copy > INT_MAX || dy_copy > INT_MAX) return false;
   *w = BatchInnerWgrad{};
   w->N = int(p.N), w->Nb = int(Nb), w->C = int(p.C), w->H = int(p.H), w->W = int(p.W);
@@ -395,7 +397,9 @@ bool plan_batch_inner_wgrad(const ConvQuery& query, const Plan& plan, BatchInner
   w->slice_elements = plan.Kgp * p.R * p.S * plan.Cgp;
   const int64_t tiles = implicit_gemm::batch_inner_output_tiles(*w);
   const int64_t k_tiles = implicit_gemm::batch_inner_k_tiles(*w);
-  int64_t split = std::min({kMaxSplitK, ceil_div(kNominalSms, tiles), k_tiles / kMinKIterationsPerSlice});
+  if (tiles / ceil_div(p.K, 64) > 65535) return false;  // the grid's y extent (channels x taps)
+  int64_t split =
+      std::min({kMaxSplitK, ceil_div(kNominalSms, tiles), k_tiles / kMinKIterationsPerSlice});
   split = std::max<int64_t>(split, 1);
   w->split = int(ceil_div(k_tiles, ceil_div(k_tiles, split)));
   return true;
@@ -1685,14 +1689,16 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
         if (w.order == WgradOrder::kRSCK) {
           OrderedReduction r{};
           r.Kg = Kg, r.Cg = Cg, r.R = p.R, r.S = p.S, r.Kgp = Kgp, r.Cgp = Cgp, r.groups = 1;
-          r.slices = w.split, r.slice_stride = partial_size, r.group_stride = w.split * partial_size;
+          r.slices = w.split, r.slice_stride = partial_size;
+          r.group_stride = w.split * partial_size;
           return launch_wgrad_sum(stream, query.dtype, partials, out, r);
         }
         WgradReduction r{};
         r.Kg = Kg, r.Cg = Cg, r.R = p.R, r.S = p.S, r.Cgp = Cgp;
         r.hwio = hwio, r.groups = 1;
         r.quads = Kg * p.R * p.S * ceil_div(Cg, 4);
-        r.slices = w.split, r.slice_stride = partial_size, r.group_stride = w.split * partial_size;
+        r.slices = w.split, r.slice_stride = partial_size;
+        r.group_stride = w.split * partial_size;
         return launch_wgrad_reduce(stream, query.dtype, partials, out, r);
       }
 #endif

@@ -316,8 +316,8 @@ ffi::Error tf32_wgrad_launch(const BatchInnerWgrad& w, cudaStream_t stream) {
   // Every slice non-empty: the planner's split is ceil(k_tiles / per) for some per.
   if ((p.k_tiles + p.k_tiles_per_slice - 1) / p.k_tiles_per_slice != w.split)
     return ffi::Error::Internal("conv2d: the TF32 wgrad's split leaves a slice empty");
-  const dim3 grid(unsigned((w.K + Config::kTileM - 1) / Config::kTileM),
-                  unsigned(batch_inner_output_tiles(w) / ((w.K + Config::kTileM - 1) / Config::kTileM)),
+  const int64_t m_tiles = (w.K + Config::kTileM - 1) / Config::kTileM;
+  const dim3 grid(unsigned(m_tiles), unsigned(batch_inner_output_tiles(w) / m_tiles),
                   unsigned(w.split));
   // Every call, as CUTLASS's adapter does: the attribute is cheap to set and holds for the
   // current device.
