@@ -25,8 +25,10 @@
 // On a Hopper GPU (compute capability 9.0) the forward and unit-stride dgrad kernels are
 // CUTLASS 3.x sm_90a kernels (implicit_gemm_sm90.cuh), and so is the half types' wgrad, split by
 // a kernel of ours (implicit_gemm_sm90_wgrad.cuh; channels-last partials in HWIO order, summed
-// by launch_wgrad_sum); everywhere else, and for TF32 wgrad, strided dgrad and float32x3, the
-// Sm80 ones (implicit_gemm_kernels.cuh). The Hopper fprop writes NCHW outputs (one group,
+// by launch_wgrad_sum). TF32 wgrad of one group at stride 1, filters over one tap and batches of
+// 16 or more runs another kernel of ours (implicit_gemm_sm90_wgrad_tf32.cuh) on copies of dy and
+// x with the batch innermost (plan_batch_inner_wgrad). Everywhere else, and for other TF32
+// wgrads, strided dgrad and float32x3, the Sm80 ones (implicit_gemm_kernels.cuh). The Hopper fprop writes NCHW outputs (one group,
 // unpadded channels) from its epilogue, with no transpose after it.
 // Every pass is bitwise reproducible: no atomics anywhere, split-K partials go to separate
 // buffers and are summed in a fixed order.

@@ -14,8 +14,9 @@
 // (mainloop, epilogue) are CUTLASS's, used through their public interface.
 //
 // Half types only: wgrad reads both operands MN-major (dy's filters and x's channels are the
-// contiguous dimensions), which WGMMA takes for 16-bit types but not for TF32; float32 wgrad stays
-// on the Sm80 kernel. Included by implicit_gemm_sm90.cuh.
+// contiguous dimensions), which WGMMA takes for 16-bit types but not for TF32; float32 wgrad runs
+// implicit_gemm_sm90_wgrad_tf32.cuh's kernel on batch-innermost copies where the planner takes
+// it, else the Sm80 kernel. Included by implicit_gemm_sm90.cuh.
 #pragma once
 
 #include <cstdint>
