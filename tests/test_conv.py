@@ -414,13 +414,15 @@ def test_nchw_outputs_match_lax_and_the_bits_of_nhwc(dtype, geometry):
 # (implicit_gemm_sm90_wgrad_tf32.cuh; elsewhere the Sm80 kernel runs them): box rows of 16 and
 # of 32 images with batch tails (17, 33, 40 images), 5x5 filters (tap groups of 3 and 2) and 2x2
 # ones (a group of 2), dilation, asymmetric planes and padding past the filter's reach, filters
-# and channels past a 64-wide tile (72, 96).
+# and channels past a 64-wide tile (72, 96), channels off the 4-wide access (18, partials at a
+# pitch of 20).
 BATCH_INNER_WGRAD = [
     ((16, 64, 12, 12), (64, 64, 3, 3), dict(padding=1), False),
     ((17, 72, 9, 11), (96, 72, 3, 3), dict(padding=1), False),
     ((33, 16, 8, 7), (24, 16, 5, 5), dict(padding=2), False),
     ((40, 32, 10, 9), (40, 32, 3, 3), dict(padding=(2, 3), dilation=2), False),
     ((16, 24, 5, 6), (16, 24, 2, 2), dict(padding=1), False),
+    ((16, 18, 7, 9), (20, 18, 3, 3), dict(padding=1), False),
 ]
 
 
