@@ -380,9 +380,14 @@ bool plan_batch_inner_wgrad(const ConvQuery& query, const Plan& plan, BatchInner
   if (plan.math != Math::kTF32 || p.groups != 1 || p.stride_h != 1 || p.stride_w != 1 ||
       p.N < 16 || p.R * p.S == 1)
     return false;
+  // Every box coordinate the kernel forms in int (q + s*dil_w - pad_w and the like) well inside
+  // int32: the extents, the taps' reach and the padding each under 2^28.
+  const int64_t limit = int64_t(1) << 28;
+  for (int64_t v : {p.P, p.Q, (p.R - 1) * p.dilation_h, (p.S - 1) * p.dilation_w, p.pad_top,
+                    p.pad_left})
+    if (v >= limit) return false;
   const int64_t Nb = round_up(p.N, 4);
-  // The copies' elements and the k tiles in int (the kernel's indices), each box coordinate
-  // well inside int32.
+  // The copies' elements and the k tiles in int (the kernel's indices).
   const int64_t x_copy = checked_product({Nb, p.C, p.H, p.W});
   const int64_t dy_copy = checked_product({Nb, p.K, p.P, p.Q});
   if (x_copy < 0 || dy_copy < 0 || x_copy > INT_MAX || dy_copy > INT_MAX) return false;
