@@ -1677,10 +1677,16 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
       char* x_nhwc = region(base, plan, 1);
       float* partials = reinterpret_cast<float*>(region(base, plan, 2));
       const int64_t partial_size = Kgp * p.R * p.S * Cgp;
+      // The kernels' split and partials' order, which the reduction below follows.
+      int64_t slices = c.split_k;
+      WgradOrder order = c.wgrad_order;
+      bool batch_inner = false;
 #if defined(JAX_KERNELS_HAVE_SM90_CONV)
-      if (plan.batch_inner && hopper_kernels()) {
-        // The TF32 wgrad over batch-innermost copies: each tensor, NCHW or NHWC, is one
-        // [N][rest] matrix transposed to [rest][Nb] (zero images past N), one launch for both.
+      batch_inner = plan.batch_inner && hopper_kernels();
+      if (batch_inner) {
+        // The TF32 wgrad over batch-innermost copies (one group): each tensor, NCHW or NHWC, is
+        // one [N][rest] matrix transposed to [rest][Nb] (zero images past N), one launch for
+        // both.
         BatchInnerWgrad w = plan.batch_inner_wgrad;
         w.dy = dy_nhwc, w.x = x_nhwc, w.partials = partials;
         if (has(steps, kImplicitGemmLayoutIn)) {
@@ -1692,53 +1698,40 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
         if (has(steps, kImplicitGemmCutlass)) {
           if (ffi::Error e = implicit_gemm::sm90_tf32_wgrad_run(w, stream); e.failure()) return e;
         }
-        if (!has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
-        if (w.order == WgradOrder::kRSCK) {
-          OrderedReduction r{};
-          r.Kg = Kg, r.Cg = Cg, r.R = p.R, r.S = p.S, r.Kgp = Kgp, r.Cgp = Cgp, r.groups = 1;
-          r.slices = w.split, r.slice_stride = partial_size;
-          r.group_stride = w.split * partial_size;
-          return launch_wgrad_sum(stream, query.dtype, partials, out, r);
-        }
-        WgradReduction r{};
-        r.Kg = Kg, r.Cg = Cg, r.R = p.R, r.S = p.S, r.Cgp = Cgp;
-        r.hwio = hwio, r.groups = 1;
-        r.quads = Kg * p.R * p.S * ceil_div(Cg, 4);
-        r.slices = w.split, r.slice_stride = partial_size;
-        r.group_stride = w.split * partial_size;
-        return launch_wgrad_reduce(stream, query.dtype, partials, out, r);
+        slices = w.split, order = w.order;
       }
 #endif
-      if (has(steps, kImplicitGemmLayoutIn) && !in_place) {
-        ffi::Error e =
-            hwio ? launch_layout<Bits>(
-                       stream, {}, nullptr,
-                       {repack_job<Bits>(a, dy_nhwc, output_rows, G, Kg, Kgp, true),
-                        repack_job<Bits>(b, x_nhwc, input_rows, G, Cg, Cgp, true)})
-                 : launch_layout<Bits>(
-                       stream, {to_nhwc<Bits>(a, dy_nhwc, p.N, G, Kg, output_pixels, Kgp),
-                                to_nhwc<Bits>(b, x_nhwc, p.N, G, Cg, input_pixels, Cgp)});
-        if (e.failure()) return e;
-      }
-      for (int64_t g = 0; g < G && has(steps, kImplicitGemmCutlass); ++g) {
-        c.a = in_place ? a : dy_nhwc + g * y_group;
-        c.b = in_place ? b : x_nhwc + g * x_group;
-        c.d = partials + g * c.split_k * partial_size;
-        if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
+      if (!batch_inner) {
+        if (has(steps, kImplicitGemmLayoutIn) && !in_place) {
+          ffi::Error e =
+              hwio ? launch_layout<Bits>(
+                         stream, {}, nullptr,
+                         {repack_job<Bits>(a, dy_nhwc, output_rows, G, Kg, Kgp, true),
+                          repack_job<Bits>(b, x_nhwc, input_rows, G, Cg, Cgp, true)})
+                   : launch_layout<Bits>(
+                         stream, {to_nhwc<Bits>(a, dy_nhwc, p.N, G, Kg, output_pixels, Kgp),
+                                  to_nhwc<Bits>(b, x_nhwc, p.N, G, Cg, input_pixels, Cgp)});
+          if (e.failure()) return e;
+        }
+        for (int64_t g = 0; g < G && has(steps, kImplicitGemmCutlass); ++g) {
+          c.a = in_place ? a : dy_nhwc + g * y_group;
+          c.b = in_place ? b : x_nhwc + g * x_group;
+          c.d = partials + g * c.split_k * partial_size;
+          if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
+        }
       }
       if (!has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
-      if (c.wgrad_order != WgradOrder::kKRSC) {
+      if (order != WgradOrder::kKRSC) {
         OrderedReduction r{};
         r.Kg = Kg, r.Cg = Cg, r.R = p.R, r.S = p.S, r.Kgp = Kgp, r.Cgp = Cgp, r.groups = G;
-        r.slices = c.split_k, r.slice_stride = partial_size;
-        r.group_stride = c.split_k * partial_size;
+        r.slices = slices, r.slice_stride = partial_size, r.group_stride = slices * partial_size;
         return launch_wgrad_sum(stream, query.dtype, partials, out, r);
       }
       WgradReduction r{};
       r.Kg = Kg, r.Cg = Cg, r.R = p.R, r.S = p.S, r.Cgp = Cgp;
       r.hwio = hwio, r.groups = G;
       r.quads = G * Kg * p.R * p.S * ceil_div(Cg, 4);
-      r.slices = c.split_k, r.slice_stride = partial_size, r.group_stride = c.split_k * partial_size;
+      r.slices = slices, r.slice_stride = partial_size, r.group_stride = slices * partial_size;
       return launch_wgrad_reduce(stream, query.dtype, partials, out, r);
     }
   }
