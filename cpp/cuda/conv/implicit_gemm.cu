@@ -344,7 +344,7 @@ int sm90_wgrad_split(Math math, const NhwcConv& c) {
   int64_t split = std::min<int64_t>({c.split_k, 2 * kNominalSms / tiles.output,
                                      k_tiles / (kMinKIterationsPerSlice / 2)});
   split = std::max<int64_t>(split, 1);
-  return int(ceil_div(k_tiles, ceil_div(k_tiles, split)));
+  return int(implicit_gemm::nonempty_split(k_tiles, split));
 }
 
 // The Hopper wgrad plan: the wide tile (128 filters) where it fills a wave at its split, else
@@ -408,7 +408,7 @@ bool plan_batch_inner_wgrad(const ConvQuery& query, const Plan& plan, BatchInner
   int64_t split =
       std::min({kMaxSplitK, ceil_div(kNominalSms, tiles), k_tiles / kMinKIterationsPerSlice});
   split = std::max<int64_t>(split, 1);
-  w->split = int(ceil_div(k_tiles, ceil_div(k_tiles, split)));
+  w->split = int(implicit_gemm::nonempty_split(k_tiles, split));
   return true;
 }
 

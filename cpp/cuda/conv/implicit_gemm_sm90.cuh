@@ -313,8 +313,8 @@ ffi::Error tf32_wgrad_launch(const BatchInnerWgrad& w, cudaStream_t stream) {
   p.c_tiles = (w.C + Config::kTileC - 1) / Config::kTileC;
   p.k_tiles = int(batch_inner_k_tiles(w));
   p.k_tiles_per_slice = int((p.k_tiles + w.split - 1) / w.split);
-  // Every slice non-empty: the planner's split is ceil(k_tiles / per) for some per.
-  if ((p.k_tiles + p.k_tiles_per_slice - 1) / p.k_tiles_per_slice != w.split)
+  // Every slice non-empty (the planner's split is one).
+  if (nonempty_split(p.k_tiles, w.split) != w.split)
     return ffi::Error::Internal("conv2d: the TF32 wgrad's split leaves a slice empty");
   const int64_t m_tiles = (w.K + Config::kTileM - 1) / Config::kTileM;
   const dim3 grid(unsigned(m_tiles), unsigned(batch_inner_output_tiles(w) / m_tiles),

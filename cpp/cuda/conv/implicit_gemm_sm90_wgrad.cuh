@@ -218,10 +218,8 @@ template <class Config>
 bool wgrad_checked_arguments(const NhwcConv& c, typename Config::Base::Arguments* args) {
   if (c.kernel != NhwcKernel::kWgrad || c.split_k < 1) return false;
   if (c.C % Config::kTileN || c.K % Config::kAlignment) return false;
-  // Every slice non-empty: the planner's split is ceil(k_tiles / per) for some per.
-  const int64_t k_tiles = wgrad_k_tiles<Config>(c);
-  const int64_t per = (k_tiles + c.split_k - 1) / c.split_k;
-  if ((k_tiles + per - 1) / per != c.split_k) return false;
+  // Every slice non-empty (the planner's split is one).
+  if (nonempty_split(wgrad_k_tiles<Config>(c), c.split_k) != c.split_k) return false;
   if (!pointers_and_padding_fit(c)) return false;  // c.c is null
   using Base = typename Config::Base;
   *args = wgrad_arguments<Config>(c);
