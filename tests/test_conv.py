@@ -455,6 +455,42 @@ def test_float32_weight_gradient_of_large_batches_matches_lax(layout, geometry):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(weight_gradient(x, w, dy)))
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the tensor-core path runs on a GPU")
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("n, dilation", [(17, 1), (33, 1), (33, 2)])
+def test_float32_weight_gradient_forms_only_defined_products(layout, n, dilation):
+    """An infinite x at the last column reaches only the taps that read it: against a float64
+    NumPy reference (products summed elementwise, no BLAS), the same NaN and infinity pattern and
+    close finite values. 17 images take box rows of 16 images and 2 pixels, here with a pixel
+    past the odd Q = 7 (its dy is zeros: 0 x inf would be a NaN the convolution does not
+    define); 33 images take rows of 32 (one box for a tap group, and a box per tap at
+    dilation 2)."""
+    x = np.asarray(random(40, (n, 8, 6, 7), jnp.float32), np.float64)
+    x[n - 1, 0, 3, 6] = np.inf
+    w = random(41, (8, 8, 3, 3), jnp.float32)
+    options = dict(padding=dilation, dilation=dilation)
+    dy = np.asarray(random(42, (n, 8, 6, 7), jnp.float32), np.float64)
+    padded = np.pad(x, ((0, 0), (0, 0), (dilation, dilation), (dilation, dilation)))
+    expected = np.zeros((8, 8, 3, 3))
+    for r in range(3):
+        for s in range(3):
+            window = padded[:, :, r * dilation:r * dilation + 6, s * dilation:s * dilation + 7]
+            expected[:, :, r, s] = (dy[:, :, None] * window[:, None]).sum(axis=(0, 3, 4))
+    x32, dy32 = jnp.asarray(x, jnp.float32), jnp.asarray(dy, jnp.float32)
+    if layout == "NHWC":
+        x32, dy32 = x32.transpose(0, 2, 3, 1), dy32.transpose(0, 2, 3, 1)
+        w = w.transpose(2, 3, 1, 0)
+        expected = expected.transpose(2, 3, 1, 0)
+    got = np.asarray(jax.jit(lambda x, w, dy: jax.vjp(
+        lambda w: jk.conv2d(x, w, data_format=layout, **options), w)[1](dy)[0])(x32, w, dy32))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(expected))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(expected))
+    finite = np.isfinite(expected)
+    assert finite.sum() > 0 and (~finite).sum() > 0
+    assert_close(got[finite], expected[finite].astype(np.float32), rtol_=1e-3)
+
+
 @pytest.mark.skipif(not _ffi.CUDA_BUILT, reason="the CUDA module is not built")
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_tensor_core_path_declines_past_cutlass_int_indexing(layout):

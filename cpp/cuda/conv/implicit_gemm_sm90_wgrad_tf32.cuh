@@ -10,20 +10,25 @@
 // 4 floats is refused. So the operands are copied with the batch innermost, dy as [K][P][Q][Nb]
 // and x as [C][H][W][Nb] (Nb = N rounded up to 4: 16-byte rows, zeros past N), and the shifts
 // of every tap fall on H and W, outer dimensions, where any start is allowed, negative ones
-// included. Each k tile is 32 positions: kBoxN images (32, 16 or 8) x kBoxQ = 32 / kBoxN
-// pixels along Q of one output row p:
+// included. Each k tile is 32 positions: kBoxN images (32 or 16 run; 8 builds) x kBoxQ =
+// 32 / kBoxN pixels along Q of one output row p:
 //   A = dy,  dims (Nb, K, Q, P), box (kBoxN images, 64 filters, kBoxQ pixels, 1) at
 //            (n0, k0, q0, p);
 //   B = x,   dims (Nb, C, W, H), per tap (r, s) of the CTA and pixel j of the kBoxQ, a box
-//            (kBoxN, 64 channels, 1, 1) at (n0, c0, q0 + j + s*dil_w - pad_w, p + r*dil_h - pad_h).
-// A box row is kBoxN images, 4 * kBoxN bytes: the span of the swizzle used (128, 64 or 32
-// bytes), so each box lands as [pixel][64 filters or channels][kBoxN images], the K-major
-// swizzled layout WGMMA reads. Rows of 32 images (128 bytes) run fastest: the TMA moves a box
-// row at a time, and 8-image rows took 76.9 us against 56.6 for the 3x3 64->64 N32 56^2
-// problem. What a box reaches outside the tensor (padding,
-// tails of P, Q and the batch) is read as zeros: padding and tails cost no code, and every
-// product the kernel forms is one the convolution defines (zeros for every other), so
-// non-finite inputs propagate as the definition says. Stride 1 only; any padding and dilation.
+//            (kBoxN, 64 channels, 1, 1) at (n0, c0, q0 + j + s*dil_w - pad_w, p + r*dil_h - pad_h),
+//            or, for one pixel at unit dilation, one box (kBoxN, 64, kTaps, 1) at
+//            (n0, c0, q0 + s0 - pad_w, p + r*dil_h - pad_h) for the CTA's taps s0.. together.
+// A box row is kBoxN images, 4 * kBoxN bytes: the span of the swizzle used (128, 64 or 32 bytes),
+// so each box lands as [pixel][64 filters or channels][kBoxN images], the K-major swizzled
+// layout WGMMA reads. Rows of 32 images (128 bytes) run fastest: the TMA moves a box row at a
+// time, and 8-image rows took 76.9 us against 56.6 for the 3x3 64->64 N32 56^2 problem. A
+// sliding window that loads each x box once per output row instead of once per tap (half the
+// bytes, three 64-wide WGMMAs a tile) measured 3-34% slower (docs/performance-log.md, run 24).
+// What a box reaches outside the tensor (padding, tails of P and the batch) is read as zeros,
+// and a pixel past Q (its dy is zeros) reads x at column -1, zeros too: padding and tails cost
+// no code, and every product the kernel stores is one the convolution defines (zeros for every
+// other), so non-finite inputs propagate as the definition says. Stride 1 only; any padding and
+// dilation.
 //
 // GEMM view: M = K filters (64 a tile), N = 64 channels x kTaps taps (r, s..s+kTaps-1) of one
 // filter row, reduction over N*P*Q positions in k tiles of 32. The reduction is split in fixed
@@ -54,11 +59,12 @@ namespace sm90 {
 struct Tf32WgradParams {
   cute::TmaDescriptor dy;  // 64-byte aligned (the type is), as TMA requires
   cute::TmaDescriptor x;
+  cute::TmaDescriptor x_taps;  // x in boxes of kTaps pixels along W: a tap group's in one load
   float* partials;         // [split][k_pitch][R][S][c_pitch], or [split][R][S][c_pitch][k_pitch]
   int64_t slice_elements;  // k_pitch*R*S*c_pitch (k_pitch >= K, c_pitch >= C)
   int64_t c_pitch, k_pitch;
   bool rsck;               // the second order (channels-last weights: a streaming sum)
-  int K, C, R, S;
+  int K, C, R, S, Q;
   int pad_h, pad_w, dil_h, dil_w;
   int n_blocks, q_blocks;  // k tiles per output row: n_blocks x q_blocks (kBoxN x kBoxQ each)
   int c_tiles;  // blockIdx.y = (s_group * R + r) * c_tiles + c_tile
@@ -143,7 +149,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     if (thread == 0) {
       cute::prefetch_tma_descriptor(&p.dy);
       cute::prefetch_tma_descriptor(&p.x);
-      const uint32_t bytes = uint32_t(Config::kABytes + taps * Config::kBBytes);
+      // A k tile of one pixel at unit dilation: the group's taps read kTaps adjacent columns,
+      // one box (measured: 15-19% less time than a box per tap on the 28^2, 14^2 and 7^2
+      // problems of 128 channels and more). Past a short group (taps < kTaps) the box's last
+      // columns feed accumulators that are never stored.
+      const bool one_box = Config::kBoxQ == 1 && p.dil_w == 1;
+      const uint32_t bytes =
+          uint32_t(Config::kABytes + (one_box ? kTaps : taps) * Config::kBBytes);
       constexpr uint64_t kHint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);  // a valid policy
       const int per_row = p.n_blocks * p.q_blocks;
       int row = begin / per_row, nq = begin % per_row;
@@ -156,15 +168,23 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         const int q0 = (nq / p.n_blocks) * Config::kBoxQ;
         SM90_TMA_LOAD_4D::copy(&p.dy, &smem.full[stage], kHint,
                                smem.a + stage * Config::kTileM * Config::kTileK, n0, m0, q0, row);
-        // Stage layout of B: [pixel j][tap t][64 channels][8 images] (SmemLayoutB's K-atoms
-        // outer), one box per pixel and tap.
+        // Stage layout of B: [pixel j][tap t][64 channels][kBoxN images] (SmemLayoutB's
+        // K-atoms outer), one box per pixel and tap, or per pixel. A pixel past Q (whose dy is
+        // zeros) reads column -1, zeros too: each product formed is one the convolution
+        // defines, so a non-finite x there cannot reach the sums.
         auto* b = smem.b + stage * Config::kTileN * Config::kTileK;
-        for (int j = 0; j < Config::kBoxQ; ++j)
-          for (int t = 0; t < taps; ++t)
-            SM90_TMA_LOAD_4D::copy(&p.x, &smem.full[stage], kHint,
-                                   b + (j * Config::kTileN + t * Config::kTileC) * Config::kBoxN,
-                                   n0, c0, q0 + j + (s0 + t) * p.dil_w - p.pad_w,
-                                   row + r * p.dil_h - p.pad_h);
+        const int h = row + r * p.dil_h - p.pad_h;
+        if (one_box) {
+          SM90_TMA_LOAD_4D::copy(&p.x_taps, &smem.full[stage], kHint, b, n0, c0,
+                                 q0 + s0 - p.pad_w, h);
+        } else {
+          for (int j = 0; j < Config::kBoxQ; ++j)
+            for (int t = 0; t < taps; ++t)
+              SM90_TMA_LOAD_4D::copy(
+                  &p.x, &smem.full[stage], kHint,
+                  b + (j * Config::kTileN + t * Config::kTileC) * Config::kBoxN, n0, c0,
+                  q0 + j < p.Q ? q0 + j + (s0 + t) * p.dil_w - p.pad_w : -1, h);
+        }
         if (++nq == per_row) nq = 0, ++row;
       }
     }
@@ -255,8 +275,10 @@ bool encode_tf32_wgrad_maps(Tf32WgradParams* p, const void* dy, const void* x, b
   }
   const uint32_t dy_box[4] = {Config::kBoxN, Config::kTileM, Config::kBoxQ, 1};
   const uint32_t x_box[4] = {Config::kBoxN, Config::kTileC, 1, 1};
+  const uint32_t x_taps_box[4] = {Config::kBoxN, Config::kTileC, Config::kTaps, 1};
   return encode_tf32_wgrad_box(&p->dy, dy, dy_dims, dy_strides, dy_box) &&
-         encode_tf32_wgrad_box(&p->x, x, x_dims, x_strides, x_box);
+         encode_tf32_wgrad_box(&p->x, x, x_dims, x_strides, x_box) &&
+         encode_tf32_wgrad_box(&p->x_taps, x, x_dims, x_strides, x_taps_box);
 }
 
 }  // namespace sm90
