@@ -409,13 +409,14 @@ def test_nchw_outputs_match_lax_and_the_bits_of_nhwc(dtype, geometry):
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(dx_last.transpose(0, 3, 1, 2)))
 
 
-# float32 weight gradients of one group at stride 1, filters of more than one tap and batches of
-# 16 or more, which Hopper runs as TF32 over copies of dy and x with the batch innermost
-# (implicit_gemm_sm90_wgrad_tf32.cuh; elsewhere the Sm80 kernel runs them): box rows of 16 and
-# of 32 images with batch tails (17, 33, 40 images), 5x5 filters (tap groups of 3 and 2) and 2x2
-# ones (a group of 2), dilation, asymmetric planes and padding past the filter's reach, filters
-# and channels past a 64-wide tile (72, 96), channels off the 4-wide access (18, partials at a
-# pitch of 20).
+# float32 weight gradients of one group, filters of more than one tap, 16 or more channels and
+# filters and batches of 16 or more, which Hopper runs as TF32 over copies of dy and x with the
+# batch innermost (implicit_gemm_sm90_wgrad_tf32.cuh; elsewhere the Sm80 kernel runs them): box
+# rows of 16 and of 32 images with batch tails (17, 33, 40 images), 5x5 filters (tap groups of 3
+# and 2) and 2x2 ones (a group of 2), dilation, asymmetric planes and padding past the filter's
+# reach, filters and channels past a 64-wide tile (72, 96), channels off the 4-wide access (18,
+# partials at a pitch of 20), strides (2, and 2 x 3 with dilation along W; the 2x2/2
+# downsampling of ConvNeXt).
 BATCH_INNER_WGRAD = [
     ((16, 64, 12, 12), (64, 64, 3, 3), dict(padding=1), False),
     ((17, 72, 9, 11), (96, 72, 3, 3), dict(padding=1), False),
@@ -423,6 +424,9 @@ BATCH_INNER_WGRAD = [
     ((40, 32, 10, 9), (40, 32, 3, 3), dict(padding=(2, 3), dilation=2), False),
     ((16, 24, 5, 6), (16, 24, 2, 2), dict(padding=1), False),
     ((16, 18, 7, 9), (20, 18, 3, 3), dict(padding=1), False),
+    ((32, 32, 15, 14), (40, 32, 3, 3), dict(stride=2, padding=1), False),
+    ((17, 24, 11, 13), (16, 24, 3, 3), dict(stride=(2, 3), padding=(1, 2), dilation=(1, 2)), False),
+    ((33, 32, 8, 8), (48, 32, 2, 2), dict(stride=2), False),
 ]
 
 
@@ -434,13 +438,14 @@ def test_float32_weight_gradient_of_large_batches_matches_lax(layout, geometry):
     the same bits from two calls (fixed split, ordered slice sum)."""
     shape_x, shape_w, options, _ = geometry
     x, w, _, dy = operands(25, shape_x, shape_w, False, jnp.float32, options)
-    pad = options["padding"]
+    pad = options.get("padding", 0)
     pad = (pad, pad) if isinstance(pad, int) else pad
-    dilation = options.get("dilation", 1)
+    pair = lambda v: (v, v) if isinstance(v, int) else v
+    stride, dilation = pair(options.get("stride", 1)), pair(options.get("dilation", 1))
 
     def reference(w):
-        return jax.lax.conv_general_dilated(x, w, (1, 1), [(pad[0], pad[0]), (pad[1], pad[1])],
-                                            rhs_dilation=(dilation,) * 2,
+        return jax.lax.conv_general_dilated(x, w, stride, [(pad[0], pad[0]), (pad[1], pad[1])],
+                                            rhs_dilation=dilation,
                                             precision=jax.lax.Precision.HIGHEST)
 
     expected = jax.vjp(reference, w)[1](dy)[0]

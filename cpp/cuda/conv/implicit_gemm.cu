@@ -25,11 +25,12 @@
 // On a Hopper GPU (compute capability 9.0) the forward and unit-stride dgrad kernels are
 // CUTLASS 3.x sm_90a kernels (implicit_gemm_sm90.cuh), and so is the half types' wgrad, split by
 // a kernel of ours (implicit_gemm_sm90_wgrad.cuh; channels-last partials in HWIO order, summed
-// by launch_wgrad_sum). TF32 wgrad of one group at stride 1, filters over one tap and batches of
-// 16 or more runs another kernel of ours (implicit_gemm_sm90_wgrad_tf32.cuh) on copies of dy and
-// x with the batch innermost (plan_batch_inner_wgrad). Everywhere else, and for other TF32
-// wgrads, strided dgrad and float32x3, the Sm80 ones (implicit_gemm_kernels.cuh). The Hopper fprop writes NCHW outputs (one group,
-// unpadded channels) from its epilogue, with no transpose after it.
+// by launch_wgrad_sum). TF32 wgrad of one group, filters over one tap, 16 or more channels and
+// filters and batches of 16 or more runs another kernel of ours
+// (implicit_gemm_sm90_wgrad_tf32.cuh) on copies of dy and x with the batch innermost
+// (plan_batch_inner_wgrad). Everywhere else, and for other TF32 wgrads, strided dgrad and
+// float32x3, the Sm80 ones (implicit_gemm_kernels.cuh). The Hopper fprop writes NCHW outputs
+// (one group, unpadded channels) from its epilogue, with no transpose after it.
 // Every pass is bitwise reproducible: no atomics anywhere, split-K partials go to separate
 // buffers and are summed in a fixed order.
 //
@@ -181,10 +182,10 @@ struct Plan {
   bool channel_major = false;
   NhwcConv conv{};  // one group's problem; pointers are set at run time
   BatchedGemm gemm{};  // GEMM route; pointers are set at run time
-  // kNhwc wgrad in TF32 of one group at stride 1, filters of more than one tap and batches of
-  // 16 or more (plan_batch_inner_wgrad): on Hopper the TF32 wgrad over batch-innermost copies
-  // (implicit_gemm_sm90_wgrad_tf32.cuh) runs instead of the Sm80 kernel, in the same scratch
-  // regions, which the plan sizes for both on every device.
+  // kNhwc wgrad in TF32 of one group, filters of more than one tap, 16 or more channels and
+  // filters and batches of 16 or more (plan_batch_inner_wgrad): on Hopper the TF32 wgrad over
+  // batch-innermost copies (implicit_gemm_sm90_wgrad_tf32.cuh) runs instead of the Sm80 kernel,
+  // in the same scratch regions, which the plan sizes for both on every device.
   bool batch_inner = false;
   BatchInnerWgrad batch_inner_wgrad{};  // pointers are set at run time
   // Scratch regions (byte offsets from the 256-byte aligned base) and the bytes to ask for.
@@ -373,18 +374,21 @@ bool plan_sm90_wgrad(Math math, NhwcConv* c) {
 // Whether the Hopper TF32 wgrad over batch-innermost copies takes the problem, and its plan:
 // device-independent (the scratch is sized from it everywhere), run only on Hopper. 1x1 filters
 // stay on the Sm80 kernel: their copies cost more than the kernel saves (measured: 1x1 64->256
-// at 56^2, NHWC, 159 us against 72). One wave of its CTAs (one per nominal SM), slices of at
-// least kMinKIterationsPerSlice k tiles, every slice non-empty.
+// at 56^2, NHWC, 159 us against 72). So do fewer than 16 channels or filters (the 64-wide
+// tiles would be mostly zeros: the 3-channel stems). One wave of its CTAs (one per nominal SM),
+// slices of at least kMinKIterationsPerSlice k tiles, every slice non-empty.
 bool plan_batch_inner_wgrad(const ConvQuery& query, const Plan& plan, BatchInnerWgrad* w) {
   const ConvProblem& p = query.problem;
-  if (plan.math != Math::kTF32 || p.groups != 1 || p.stride_h != 1 || p.stride_w != 1 ||
-      p.N < 16 || p.R * p.S == 1)
+  if (plan.math != Math::kTF32 || p.groups != 1 || p.N < 16 || p.R * p.S == 1 || p.C < 16 ||
+      p.K < 16)
     return false;
-  // Every box coordinate the kernel forms in int (q + s*dil_w - pad_w and the like) well inside
-  // int32: the extents, the taps' reach and the padding each under 2^28.
+  // Every box coordinate the kernel forms in int (q*stride_w + s*dil_w - pad_w and the like)
+  // well inside int32: the strides, the extents times them, the taps' reach and the padding
+  // each under 2^28.
   const int64_t limit = int64_t(1) << 28;
-  for (int64_t v : {p.P, p.Q, (p.R - 1) * p.dilation_h, (p.S - 1) * p.dilation_w, p.pad_top,
-                    p.pad_left})
+  if (p.stride_h >= limit || p.stride_w >= limit) return false;
+  for (int64_t v : {p.P * p.stride_h, p.Q * p.stride_w, (p.R - 1) * p.dilation_h,
+                    (p.S - 1) * p.dilation_w, p.pad_top, p.pad_left})
     if (v >= limit) return false;
   const int64_t Nb = round_up(p.N, 4);
   // The copies' elements and the k tiles in int (the kernel's indices).
@@ -395,6 +399,7 @@ bool plan_batch_inner_wgrad(const ConvQuery& query, const Plan& plan, BatchInner
   w->N = int(p.N), w->Nb = int(Nb), w->C = int(p.C), w->H = int(p.H), w->W = int(p.W);
   w->K = int(p.K), w->R = int(p.R), w->S = int(p.S), w->P = int(p.P), w->Q = int(p.Q);
   w->pad_h = int(p.pad_top), w->pad_w = int(p.pad_left);
+  w->stride_h = int(p.stride_h), w->stride_w = int(p.stride_w);
   w->dilation_h = int(p.dilation_h), w->dilation_w = int(p.dilation_w);
   w->channels_last = p.layout == ConvLayout::kNHWC;
   // HWIO partials for HWIO weights: their sum is then a streaming one (launch_wgrad_sum), where

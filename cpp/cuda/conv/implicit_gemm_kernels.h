@@ -119,7 +119,7 @@ struct Sm90WgradTiles {
   int64_t output = 0;     // output tiles: the kernel's blocks per slice (0 for TF32: none here)
   int64_t reduction = 0;  // k tiles of the N*P*Q reduction, which the slices share out
 };
-// The Hopper TF32 wgrad (implicit_gemm_sm90_wgrad_tf32.cuh, one group, stride 1, filters of
+// The Hopper TF32 wgrad (implicit_gemm_sm90_wgrad_tf32.cuh, one group, any stride, filters of
 // more than one tap): reads copies of dy and x with the batch innermost, padded with zero images
 // to Nb (a multiple of 4): of NCHW tensors [K][P][Q][Nb] and [C][H][W][Nb], of NHWC ones
 // [P][Q][K][Nb] and [H][W][C][Nb]. It writes float32 partials slice_elements apart, each
@@ -130,7 +130,7 @@ struct Sm90WgradTiles {
 // rows of 32 images, or 16 for batches under 32 (the planner takes batches of 16 and more).
 struct BatchInnerWgrad {
   int N, Nb, C, H, W, K, R, S, P, Q;
-  int pad_h, pad_w, dilation_h, dilation_w;
+  int stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w;
   bool channels_last;
   WgradOrder order;
   int64_t c_pitch, k_pitch, slice_elements;

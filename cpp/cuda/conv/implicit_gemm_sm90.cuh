@@ -307,6 +307,7 @@ ffi::Error tf32_wgrad_launch(const BatchInnerWgrad& w, cudaStream_t stream) {
   p.slice_elements = w.slice_elements, p.c_pitch = w.c_pitch, p.k_pitch = w.k_pitch;
   p.rsck = w.order == WgradOrder::kRSCK;
   p.K = w.K, p.C = w.C, p.R = w.R, p.S = w.S, p.Q = w.Q;
+  p.stride_h = w.stride_h, p.stride_w = w.stride_w;
   p.pad_h = w.pad_h, p.pad_w = w.pad_w, p.dil_h = w.dilation_h, p.dil_w = w.dilation_w;
   p.n_blocks = (w.N + Config::kBoxN - 1) / Config::kBoxN;
   p.q_blocks = (w.Q + Config::kBoxQ - 1) / Config::kBoxQ;

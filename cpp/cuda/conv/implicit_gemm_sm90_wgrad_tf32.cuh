@@ -15,9 +15,10 @@
 //   A = dy,  dims (Nb, K, Q, P), box (kBoxN images, 64 filters, kBoxQ pixels, 1) at
 //            (n0, k0, q0, p);
 //   B = x,   dims (Nb, C, W, H), per tap (r, s) of the CTA and pixel j of the kBoxQ, a box
-//            (kBoxN, 64 channels, 1, 1) at (n0, c0, q0 + j + s*dil_w - pad_w, p + r*dil_h - pad_h),
-//            or, for one pixel at unit dilation, one box (kBoxN, 64, kTaps, 1) at
-//            (n0, c0, q0 + s0 - pad_w, p + r*dil_h - pad_h) for the CTA's taps s0.. together.
+//            (kBoxN, 64 channels, 1, 1) at (n0, c0, (q0 + j)*stride_w + s*dil_w - pad_w,
+//            p*stride_h + r*dil_h - pad_h), or, for one pixel at unit dilation, one box
+//            (kBoxN, 64, kTaps, 1) at (n0, c0, q0*stride_w + s0 - pad_w, p*stride_h + r*dil_h -
+//            pad_h) for the CTA's taps s0.. together.
 // A box row is kBoxN images, 4 * kBoxN bytes: the span of the swizzle used (128, 64 or 32 bytes),
 // so each box lands as [pixel][64 filters or channels][kBoxN images], the K-major swizzled
 // layout WGMMA reads. Rows of 32 images (128 bytes) run fastest: the TMA moves a box row at a
@@ -27,7 +28,7 @@
 // What a box reaches outside the tensor (padding, tails of P and the batch) is read as zeros,
 // and a pixel past Q (its dy is zeros) reads x at column -1, zeros too: padding and tails cost
 // no code, and every product the kernel stores is one the convolution defines (zeros for every
-// other), so non-finite inputs propagate as the definition says. Stride 1 only; any padding and
+// other), so non-finite inputs propagate as the definition says. Any stride, padding and
 // dilation.
 //
 // GEMM view: M = K filters (64 a tile), N = 64 channels x kTaps taps (r, s..s+kTaps-1) of one
@@ -65,7 +66,7 @@ struct Tf32WgradParams {
   int64_t c_pitch, k_pitch;
   bool rsck;               // the second order (channels-last weights: a streaming sum)
   int K, C, R, S, Q;
-  int pad_h, pad_w, dil_h, dil_w;
+  int stride_h, stride_w, pad_h, pad_w, dil_h, dil_w;
   int n_blocks, q_blocks;  // k tiles per output row: n_blocks x q_blocks (kBoxN x kBoxQ each)
   int c_tiles;  // blockIdx.y = (s_group * R + r) * c_tiles + c_tile
   int k_tiles, k_tiles_per_slice;  // P * q_blocks * n_blocks, and per blockIdx.z
@@ -173,17 +174,17 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         // zeros) reads column -1, zeros too: each product formed is one the convolution
         // defines, so a non-finite x there cannot reach the sums.
         auto* b = smem.b + stage * Config::kTileN * Config::kTileK;
-        const int h = row + r * p.dil_h - p.pad_h;
+        const int h = row * p.stride_h + r * p.dil_h - p.pad_h;
         if (one_box) {
           SM90_TMA_LOAD_4D::copy(&p.x_taps, &smem.full[stage], kHint, b, n0, c0,
-                                 q0 + s0 - p.pad_w, h);
+                                 q0 * p.stride_w + s0 - p.pad_w, h);
         } else {
           for (int j = 0; j < Config::kBoxQ; ++j)
             for (int t = 0; t < taps; ++t)
               SM90_TMA_LOAD_4D::copy(
                   &p.x, &smem.full[stage], kHint,
                   b + (j * Config::kTileN + t * Config::kTileC) * Config::kBoxN, n0, c0,
-                  q0 + j < p.Q ? q0 + j + (s0 + t) * p.dil_w - p.pad_w : -1, h);
+                  q0 + j < p.Q ? (q0 + j) * p.stride_w + (s0 + t) * p.dil_w - p.pad_w : -1, h);
         }
         if (++nq == per_row) nq = 0, ++row;
       }
