@@ -374,13 +374,16 @@ bool plan_sm90_wgrad(Math math, NhwcConv* c) {
 // Whether the Hopper TF32 wgrad over batch-innermost copies takes the problem, and its plan:
 // device-independent (the scratch is sized from it everywhere), run only on Hopper. 1x1 filters
 // stay on the Sm80 kernel: their copies cost more than the kernel saves (measured: 1x1 64->256
-// at 56^2, NHWC, 159 us against 72). So do fewer than 16 channels or filters (the 64-wide
-// tiles would be mostly zeros: the 3-channel stems). One wave of its CTAs (one per nominal SM),
-// slices of at least kMinKIterationsPerSlice k tiles, every slice non-empty.
+// at 56^2, NHWC, 159 us against 72), and so do channels-last filters of under 9 taps, which the
+// Sm80 kernel reads in place (2x2/2 96->192 at 56^2, NHWC: 90.3 us, 47.0 of them copies,
+// against 72.3; 3x3 and 7x7 ones gain 1.3-2.3x). So do fewer than 16 channels or filters (the
+// 64-wide tiles would be mostly zeros: the 3-channel stems). One wave of its CTAs (one per
+// nominal SM), slices of at least kMinKIterationsPerSlice k tiles, every slice non-empty.
 bool plan_batch_inner_wgrad(const ConvQuery& query, const Plan& plan, BatchInnerWgrad* w) {
   const ConvProblem& p = query.problem;
-  if (plan.math != Math::kTF32 || p.groups != 1 || p.N < 16 || p.R * p.S == 1 || p.C < 16 ||
-      p.K < 16)
+  const bool channels_last = p.layout == ConvLayout::kNHWC;
+  if (plan.math != Math::kTF32 || p.groups != 1 || p.N < 16 || p.R * p.S == 1 ||
+      (channels_last && p.R * p.S < 9) || p.C < 16 || p.K < 16)
     return false;
   // Every box coordinate the kernel forms in int (q*stride_w + s*dil_w - pad_w and the like)
   // well inside int32: the strides, the extents times them, the taps' reach and the padding
@@ -401,7 +404,7 @@ bool plan_batch_inner_wgrad(const ConvQuery& query, const Plan& plan, BatchInner
   w->pad_h = int(p.pad_top), w->pad_w = int(p.pad_left);
   w->stride_h = int(p.stride_h), w->stride_w = int(p.stride_w);
   w->dilation_h = int(p.dilation_h), w->dilation_w = int(p.dilation_w);
-  w->channels_last = p.layout == ConvLayout::kNHWC;
+  w->channels_last = channels_last;
   // HWIO partials for HWIO weights: their sum is then a streaming one (launch_wgrad_sum), where
   // KRSC ones go through the transposing reduction (41.6 of 105 us at 3x3 512->512, 7^2, NHWC).
   w->order = w->channels_last ? WgradOrder::kRSCK : WgradOrder::kKRSC;
