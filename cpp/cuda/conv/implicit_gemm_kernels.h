@@ -101,12 +101,6 @@ ffi::Error run(const NhwcConv& conv, cudaStream_t stream);
 template <Math M>
 ffi::Error run(const BatchedGemm& gemm, cudaStream_t stream);
 
-// The Hopper kernels (CUTLASS 3.x implicit GEMM: TMA im2col loads, WGMMA; compiled for sm_90a in
-// implicit_gemm_sm90_<math>.cu, when the build targets sm_90): kFprop for float16, bfloat16 and
-// TF32 (not kFloat32x3), kWgrad for float16 and bfloat16 (implicit_gemm_sm90_wgrad.cuh; TF32's
-// is BatchInnerWgrad's kernel, below).
-// Host-only can_implement, as above; run re-checks it with the pointers. sm90_wgrad_tiles: the
-// Hopper wgrad kernel's tiling of the problem (its tile class), for the planner's split.
 // The slices that splitting k_tiles `split` ways makes when each slice but the last takes
 // ceil(k_tiles / split) tiles: `split` itself, or fewer where the last ones would be empty. The
 // Hopper wgrads' planners split this way, and their kernels check it (every slice non-empty).
@@ -115,6 +109,12 @@ inline int64_t nonempty_split(int64_t k_tiles, int64_t split) {
   return (k_tiles + per - 1) / per;
 }
 
+// The Hopper kernels (CUTLASS 3.x implicit GEMM: TMA im2col loads, WGMMA; compiled for sm_90a in
+// implicit_gemm_sm90_<math>.cu, when the build targets sm_90): kFprop for float16, bfloat16 and
+// TF32 (not kFloat32x3), kWgrad for float16 and bfloat16 (implicit_gemm_sm90_wgrad.cuh; TF32's
+// is BatchInnerWgrad's kernel, below).
+// Host-only can_implement, as above; run re-checks it with the pointers. sm90_wgrad_tiles: the
+// Hopper wgrad kernel's tiling of the problem (its tile class), for the planner's split.
 struct Sm90WgradTiles {
   int64_t output = 0;     // output tiles: the kernel's blocks per slice (0 for TF32: none here)
   int64_t reduction = 0;  // k tiles of the N*P*Q reduction, which the slices share out
