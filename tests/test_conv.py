@@ -25,6 +25,8 @@ pytestmark = [
 ]
 
 TORCH_CUDA = torch is not None and ON_GPU and torch.cuda.is_available()
+# Hopper (compute capability 9.0): the sm_90a kernels of the tensor-core path run there.
+HOPPER = ON_GPU and getattr(jax.devices()[0], "compute_capability", "") == "9.0"
 TARGETS = ("jk_conv2d_fwd", "jk_conv2d_bwd_input", "jk_conv2d_bwd_weight", "jk_conv2d_bwd_bias")
 
 
@@ -495,6 +497,50 @@ def test_float32_weight_gradient_forms_only_defined_products(layout, n, dilation
     finite = np.isfinite(expected)
     assert finite.sum() > 0 and (~finite).sum() > 0
     assert_close(got[finite], expected[finite].astype(np.float32), rtol_=1e-3)
+
+
+# Strided input gradients on Hopper run as one unit-stride fprop per stride phase
+# (dgrad_phases.cuh): each dx pixel gets only the products of the taps that reach it, and a phase
+# no tap reaches (2x2/3, 1x1/2) is zeros.
+@pytest.mark.skipif(not HOPPER, reason="the stride phases run on a Hopper GPU")
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("taps, stride, pad", [(3, 2, 1), (2, 3, 0), (1, 2, 0), (7, 2, 3)],
+                         ids=str)
+def test_strided_input_gradient_forms_only_defined_products(layout, taps, stride, pad):
+    """Infinities in dy reach only the dx pixels whose taps read them: against a float64 NumPy
+    reference (products summed elementwise), the same NaN and infinity pattern and close finite
+    values, and the same bits for the two layouts (the same phase GEMMs)."""
+    n, channels, filters, side = 2, 8, 16, 13
+    out = (side + 2 * pad - taps) // stride + 1
+    dy = np.asarray(random(45, (n, filters, out, out), jnp.float32), np.float64)
+    dy[1, 3, out - 1, 0] = np.inf
+    dy[0, 5, 1, out - 2] = -np.inf
+    w = np.asarray(random(46, (filters, channels, taps, taps), jnp.float32), np.float64)
+    expected = np.zeros((n, channels, side, side))
+    for p in range(out):
+        for q in range(out):
+            for r in range(taps):
+                for s in range(taps):
+                    h, v = p * stride + r - pad, q * stride + s - pad
+                    if 0 <= h < side and 0 <= v < side:
+                        expected[:, :, h, v] += (dy[:, :, None, p, q] * w[None, :, :, r, s]).sum(1)
+    x = jnp.zeros((n, channels, side, side), jnp.float32)
+    dy32, w32 = jnp.asarray(dy, jnp.float32), jnp.asarray(w, jnp.float32)
+    options = dict(stride=stride, padding=pad)
+    if layout == "NHWC":
+        x, dy32, w32 = x.transpose(0, 2, 3, 1), dy32.transpose(0, 2, 3, 1), w32.transpose(2, 3, 1, 0)
+    got = np.asarray(jax.jit(lambda x, w, dy: jax.vjp(
+        lambda x: jk.conv2d(x, w, data_format=layout, **options), x)[1](dy)[0])(x, w32, dy32))
+    if layout == "NHWC":
+        got = got.transpose(0, 3, 1, 2)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(expected))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(expected))
+    finite = np.isfinite(expected)
+    assert finite.sum() > 0 and (~finite).sum() > 0
+    assert_close(got[finite], expected[finite].astype(np.float32), rtol_=1e-3)
+    if stride * stride > taps * taps:
+        assert (got[finite] == 0).any()  # a phase no tap reaches
 
 
 @pytest.mark.skipif(not _ffi.CUDA_BUILT, reason="the CUDA module is not built")

@@ -351,7 +351,12 @@ def test_batch_sharded_on_8_devices():
 # narrow and a wide filter tile, bias, stride 2 with padding, a 1x1 stride-2 conv that leaves the
 # last input row unread, dilation, a unit-stride dgrad (an fprop on flipped weights) with
 # padding on one side only, 3-channel stems (im2col, both column layouts), grouped convs and
-# padded weights.
+# padded weights. Strided dgrads of one group run on Hopper as one fprop per stride phase
+# (dgrad_phases.cuh): besides the two above (3x3/2 over an odd width; 1x1/2, whose phases past
+# the first are zeros), six phases of 1 and 2 taps (stride 2 x 3), 7x7/2 (phases with top
+# padding), 4x4/4 (16 phases of one tap), 2x2/3 (a third of the phases zeros), padded channels
+# and filters, and 3x3/3 with padding 1 (a phase would need negative padding: the Sm80 kernel
+# keeps it).
 TENSOR_CORE_GEOMETRIES = [
     ((2, 16, 20, 33), (32, 16, 3, 3), dict(padding=1), True),
     ((2, 64, 14, 15), (128, 64, 3, 3), dict(stride=2, padding=1), True),
@@ -371,6 +376,13 @@ TENSOR_CORE_GEOMETRIES = [
     ((2, 128, 5, 6), (132, 128, 3, 3), dict(padding=1), True),
     ((2, 200, 7, 6), (264, 100, 3, 3), dict(stride=2, padding=1, groups=2), False),
     ((1, 3, 12, 12), (896, 3, 7, 7), dict(stride=2, padding=3), True),
+    # Strided dgrads by stride phase (above).
+    ((2, 16, 13, 20), (24, 16, 3, 5), dict(stride=(2, 3), padding=(1, 2)), True),
+    ((2, 32, 15, 16), (64, 32, 7, 7), dict(stride=2, padding=3), False),
+    ((2, 16, 16, 18), (32, 16, 4, 4), dict(stride=4), False),
+    ((2, 16, 10, 11), (16, 16, 2, 2), dict(stride=3), False),
+    ((2, 20, 11, 9), (12, 20, 3, 3), dict(stride=2, padding=1), True),
+    ((2, 16, 9, 10), (16, 16, 3, 3), dict(stride=3, padding=1), False),
     # Few channels whose output pixels and filters are on the access width: NCHW through the
     # batched GEMM on channel-major columns (wgrad too with enough images' worth of blocks).
     ((16, 3, 8, 8), (128, 3, 3, 3), dict(padding=1), True),

@@ -52,6 +52,7 @@
 #include <string>
 #include <type_traits>
 
+#include "conv/dgrad_phases.cuh"
 #include "conv/implicit_gemm_kernels.h"
 #include "conv/slice_sum.cuh"
 #include "common/grid_stride.cuh"
@@ -188,6 +189,11 @@ struct Plan {
   // in the same scratch regions, which the plan sizes for both on every device.
   bool batch_inner = false;
   BatchInnerWgrad batch_inner_wgrad{};  // pointers are set at run time
+  // kNhwc strided dgrad of one group at unit dilation (plan_phase_dgrad): on Hopper one sm_90a
+  // fprop per stride phase (dgrad_phases.cuh) runs instead of the Sm80 strided-dgrad kernel, in
+  // the same scratch regions (the phases' filters together are the weights' size).
+  bool phase_dgrad = false;
+  dgrad_phases::Phases phases{};
   // Scratch regions (byte offsets from the 256-byte aligned base) and the bytes to ask for.
   int64_t offset[4] = {0, 0, 0, 0};
   int64_t bytes = -1;
@@ -420,6 +426,42 @@ bool plan_batch_inner_wgrad(const ConvQuery& query, const Plan& plan, BatchInner
   return true;
 }
 
+// Stride phase f of a strided dgrad as the Hopper fprop sees it: over dy ([N][P][Q][Kgp]) with
+// the phase's filters, writing its pixels of dx ([N][H][W][Cgp]) at the strides between them.
+NhwcConv phase_conv(const ConvProblem& p, const Plan& plan, const dgrad_phases::Phase& f) {
+  NhwcConv c{};
+  c.kernel = NhwcKernel::kFprop;
+  c.tile = plan.Cgp <= 64 ? TileClass::kNarrow : TileClass::kWide;
+  c.N = int(p.N), c.H = int(p.P), c.W = int(p.Q), c.C = int(plan.Kgp), c.K = int(plan.Cgp);
+  c.R = f.taps_h, c.S = f.taps_w, c.P = f.P, c.Q = f.Q;
+  c.pad_h = f.pad_h, c.pad_w = f.pad_w;
+  c.stride_h = c.stride_w = c.dilation_h = c.dilation_w = 1;
+  c.split_k = 1;
+  c.sm90 = true;
+  c.d_stride_q = p.stride_w * plan.Cgp;
+  c.d_stride_p = p.stride_h * p.W * plan.Cgp;
+  c.d_stride_n = p.H * p.W * plan.Cgp;
+  return c;
+}
+
+// Whether the Hopper kernels may run the strided dgrad planned in *plan (the Sm80 kernel's
+// plan) as stride phases (dgrad_phases.cuh): one group, a math mode they have, phases the
+// decomposition expresses, and every phase's fprop one the kernel takes. Host-only, and
+// independent of the device (run_nhwc_route asks hopper_kernels()), like the scratch.
+bool plan_phase_dgrad(const ConvQuery& query, Plan* plan) {
+#if defined(JAX_KERNELS_HAVE_SM90_CONV)
+  const ConvProblem& p = query.problem;
+  if (p.groups != 1 || !sm90_math(plan->math)) return false;
+  if (!dgrad_phases::plan(p, plan->Kgp, plan->Cgp, &plan->phases)) return false;
+  for (int i = 0; i < plan->phases.count; ++i)
+    if (!can_implement(plan->math, phase_conv(p, *plan, plan->phases.phase[i]))) return false;
+  return true;
+#else
+  (void)query, (void)plan;
+  return false;
+#endif
+}
+
 // The kernel family for the planned problem: on Hopper the sm_90a kernels (fprop, also
 // unit-stride dgrad's; wgrad in half types, with its own tile and split) where they take the
 // problem, else the Sm80 one; false if neither does.
@@ -514,6 +556,7 @@ bool plan_nhwc(const ConvQuery& query, Plan* plan) {
     }
   }
   if (!choose_kernel(plan->math, &c)) return false;
+  if (c.kernel == NhwcKernel::kStridedDgrad) plan->phase_dgrad = plan_phase_dgrad(query, plan);
   // NCHW outputs of the Hopper fprop (the forward's y, unit-stride dgrad's dx) are written by its
   // epilogue where they go: no transpose after it. One group, and output channels that need no
   // padding (the GEMM's columns are then the tensor's channels). The scratch keeps the NHWC
@@ -1587,6 +1630,59 @@ ffi::Error run_gemm_route(cudaStream_t stream, const ConvQuery& query, const Pla
   }
 }
 
+#if defined(JAX_KERNELS_HAVE_SM90_CONV)
+// A strided dgrad as its stride phases on Hopper (plan.phase_dgrad): dy to NHWC (unless read in
+// place) and the phases' filters in; dx zeroed where a phase gets no tap; one fprop per phase,
+// each writing its pixels of the NHWC dx; dx back to the tensor's layout unless in place.
+template <class Bits>
+ffi::Error run_phase_dgrad(cudaStream_t stream, const ConvQuery& query, const Plan& plan,
+                           const void* a, const void* b, void* out, char* base, unsigned steps) {
+  const ConvProblem& p = query.problem;
+  const int64_t Cg = plan.Cg, Kg = plan.Kg, Cgp = plan.Cgp, Kgp = plan.Kgp;
+  const int64_t eb = plan.element_bytes;
+  const bool hwio = p.layout == ConvLayout::kNHWC, in_place = plan.in_place;
+  const int64_t input_rows = p.N * p.H * p.W, output_rows = p.N * p.P * p.Q;
+  char* dy_nhwc = region(base, plan, 0);
+  char* filters = region(base, plan, 1);
+  char* dx = in_place ? static_cast<char*>(out) : region(base, plan, 2);
+  if (has(steps, kImplicitGemmLayoutIn)) {
+    if (!in_place) {
+      ffi::Error e =
+          hwio ? launch_layout<Bits>(stream, {}, nullptr,
+                                     {repack_job<Bits>(a, dy_nhwc, output_rows, 1, Kg, Kgp, true)})
+               : launch_layout<Bits>(stream,
+                                     {to_nhwc<Bits>(a, dy_nhwc, p.N, 1, Kg, p.P * p.Q, Kgp)});
+      if (e.failure()) return e;
+    }
+    dgrad_phases::WeightsJob<Bits> job{};
+    job.w = static_cast<const Bits*>(b), job.out = reinterpret_cast<Bits*>(filters);
+    job.K = Kg, job.C = Cg, job.R = p.R, job.S = p.S, job.Kp = Kgp, job.Cp = Cgp;
+    job.stride_h = int(p.stride_h), job.stride_w = int(p.stride_w);
+    job.hwio = hwio, job.phases = plan.phases;
+    if (ffi::Error e = dgrad_phases::launch_weights(stream, job); e.failure()) return e;
+  }
+  if (has(steps, kImplicitGemmCutlass)) {
+    if (plan.phases.zero_fill &&
+        cudaMemsetAsync(dx, 0, size_t(input_rows * Cgp * eb), stream) != cudaSuccess)
+      return launch_status("conv2d (strided dgrad's zeroed phases)");
+    for (int i = 0; i < plan.phases.count; ++i) {
+      const dgrad_phases::Phase& f = plan.phases.phase[i];
+      NhwcConv c = phase_conv(p, plan, f);
+      c.a = in_place ? a : dy_nhwc;
+      c.b = filters + f.w_offset * eb;
+      c.c = nullptr;
+      c.d = dx + (int64_t(f.a) * p.W + f.b) * Cgp * eb;
+      if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
+    }
+  }
+  if (in_place || !has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
+  if (hwio)
+    return launch_layout<Bits>(stream, {}, nullptr,
+                               {repack_job<Bits>(dx, out, input_rows, 1, Cg, Cgp, false)});
+  return launch_layout<Bits>(stream, {to_nchw<Bits>(dx, out, p.N, 1, p.H * p.W, Cg, Cgp)});
+}
+#endif
+
 template <class Bits>
 ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Plan& plan,
                           const void* a, const void* b, const void* bias, void* out, char* base,
@@ -1650,6 +1746,10 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
                                  {to_nchw<Bits>(y_nhwc, out, p.N, G, output_pixels, Kg, Kgp)});
     }
     case ConvPass::kBackwardData: {
+#if defined(JAX_KERNELS_HAVE_SM90_CONV)
+      if (plan.phase_dgrad && hopper_kernels())
+        return run_phase_dgrad<Bits>(stream, query, plan, a, b, out, base, steps);
+#endif
       char* dy_nhwc = region(base, plan, 0);
       char* w_t = region(base, plan, 1);
       char* dx_nhwc = region(base, plan, 2);
@@ -2053,11 +2153,15 @@ bool implicit_gemm_layout_info(const ConvQuery& query, bool with_bias,
     say(info->out_what, "reduction of split-K partials");
     return true;
   }
+  const bool phases = plan.phase_dgrad && hopper_kernels();  // dy and the filters apart
+  if (phases) info->sm90 = true;
   if (plan.in_place) {  // channels last in place: the weights in, wgrad's reduction out
     info->in_launches = query.pass == ConvPass::kBackwardWeight ? 0 : 1;
     info->in_bytes = info->in_launches * 2 * w_count * eb;
     if (query.pass == ConvPass::kForward && with_bias) info->in_bytes += 2 * p.K * eb;
-    say(info->in_what, info->in_launches ? "weights (HWIO to the kernel's)" : "");
+    say(info->in_what, !info->in_launches ? ""
+                       : phases           ? "filters by stride phase (HWIO to the kernel's)"
+                                          : "weights (HWIO to the kernel's)");
     if (query.pass == ConvPass::kBackwardWeight) {
       info->out_launches = 1;
       info->out_bytes = plan.conv.split_k * w_count * 4 + w_count * eb;
@@ -2085,9 +2189,12 @@ bool implicit_gemm_layout_info(const ConvQuery& query, bool with_bias,
     case ConvPass::kBackwardData:
       info->in_bytes = (y_count + y_nhwc) * eb + weight_bytes;
       info->out_bytes = out_fused ? 0 : 2 * x_count * eb;
+      if (phases) info->in_launches = 2;
       say(info->in_what,
           std::string(last ? "dy repacked" : "dy to NHWC") +
-              (plan.dgrad_as_fprop ? " + weights flipped" : " + weights"));
+              (phases                ? " + filters by stride phase"
+               : plan.dgrad_as_fprop ? " + weights flipped"
+                                     : " + weights"));
       say(info->out_what, out_fused ? "" : last ? "dx unpacked" : "dx to NCHW");
       break;
     case ConvPass::kBackwardWeight:

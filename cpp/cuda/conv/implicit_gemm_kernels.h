@@ -50,6 +50,10 @@ struct NhwcConv {
   // output and no transpose). The planner sets it for NCHW problems of one group whose output
   // channels need no padding.
   bool d_nchw = false;
+  // kFprop on Hopper (sm90) with an NHWC output: d's strides in elements between output columns,
+  // rows and images, where they are not the packed (K, Q*K, P*Q*K) (0: packed). The strided
+  // dgrad's stride phases (dgrad_phases.cuh) write their pixels of dx this way.
+  int64_t d_stride_q = 0, d_stride_p = 0, d_stride_n = 0;
   const void* a;
   const void* b;
   const void* c;

@@ -6,9 +6,11 @@
 //
 // Kernels (interface in implicit_gemm_kernels.h, NhwcConv with sm90 set):
 // - fprop: a = x [N,H,W,C], b = w [K,R,S,C], bias [K] or null added in the epilogue (a per-column
-//   broadcast of the GEMM), d = y [N,P,Q,K], or y [N,K,P,Q] where NhwcConv::d_nchw is set (the
-//   epilogue of implicit_gemm_sm90_nchw_epilogue.cuh). Unit-stride dgrad runs as an fprop on
-//   flipped, transposed weights (implicit_gemm.cu prepares them), as on the Sm80 path.
+//   broadcast of the GEMM), d = y [N,P,Q,K] (packed, or at NhwcConv's d_stride_* between
+//   pixels), or y [N,K,P,Q] where NhwcConv::d_nchw is set (the epilogue of
+//   implicit_gemm_sm90_nchw_epilogue.cuh). Unit-stride dgrad runs as an fprop on flipped,
+//   transposed weights (implicit_gemm.cu prepares them), as on the Sm80 path; strided dgrad as
+//   one such fprop per stride phase, each writing its pixels of dx (dgrad_phases.cuh).
 // Every output tile is computed by one CTA over the whole reduction (no split-K): the result does
 // not depend on the SM count or the schedule.
 #pragma once
@@ -165,6 +167,11 @@ typename Config::Device::Arguments fprop_arguments(const NhwcConv& c) {
     cute::for_each(cute::make_seq<cute::rank<0>(typename Kernel::StrideD{})>{}, [&](auto i) {
       cute::get<0, i>(stride_d) = problem.stride_C[Config::ProblemShape::RankT - 2 - i];
     });
+    if (c.d_stride_q != 0) {  // a strided output (a strided dgrad's phase of dx)
+      cute::get<0, 0>(stride_d) = c.d_stride_q;
+      cute::get<0, 1>(stride_d) = c.d_stride_p;
+      cute::get<0, 2>(stride_d) = c.d_stride_n;
+    }
     args = {problem,
             {static_cast<const E*>(c.a), static_cast<const E*>(c.b)},
             {{}, nullptr, stride_d, static_cast<E*>(c.d), stride_d}};
@@ -192,6 +199,7 @@ inline bool pointers_and_padding_fit(const NhwcConv& c) {
 template <class Config>
 bool fprop_checked_arguments(const NhwcConv& c, typename Config::Device::Arguments* args) {
   if (c.kernel != NhwcKernel::kFprop || c.split_k != 1) return false;
+  if (c.d_nchw && c.d_stride_q != 0) return false;  // strides are for NHWC outputs
   if (c.C % Config::kAlignment || c.K % Config::kAlignment) return false;
   if (!pointers_and_padding_fit(c)) return false;
   *args = fprop_arguments<Config>(c);
