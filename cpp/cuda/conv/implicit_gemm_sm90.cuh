@@ -66,8 +66,11 @@ struct Element<Math::kTF32> {
 // consumer warpgroup per CTA; a CTA's epilogue does not overlap its next tile's loads), and a
 // conv's reduction is short (C*R*S = 576 for 3x3x64: 9 k-tiles): so the pipeline gets as many
 // stages as leave room for two CTAs per SM, one CTA's loads overlapping the other's epilogue,
-// rather than all of shared memory for one. kNchw: y is written NCHW by our epilogue
-// (implicit_gemm_sm90_nchw_epilogue.cuh) instead of CUTLASS's TMA one.
+// rather than all of shared memory for one: so the narrow tile. The wide tile runs one CTA per SM
+// with 6 stages, which took 12-23% less time than two of 3 (run 25, alone, N32: TF32 3x3/2
+// 128->128 56^2 54.0 -> 41.8 us, 3x3 256->256 14^2 32.7 -> 28.3; bf16 23.2 -> 20.3, 18.9 ->
+// 17.0). kNchw: y is written NCHW by our epilogue (implicit_gemm_sm90_nchw_epilogue.cuh)
+// instead of CUTLASS's TMA one.
 template <Math M, TileClass kClass, bool kNchw = false>
 struct FpropConfig {
   using E = typename Element<M>::type;
@@ -86,15 +89,18 @@ struct FpropConfig {
       Layout, kAlignment, cutlass::epilogue::TmaWarpSpecialized, Fusion>::CollectiveOp;
   using Epilogue = std::conditional_t<kNchw, NchwEpilogueCollective<E, 128, kTileN>, NhwcEpilogue>;
   static constexpr bool kChannelsFirst = kNchw;
-  // Half of an SM's 228 KiB, less the 1 KiB the driver reserves per CTA and 1 KiB of slack
-  // for the pipeline barriers and the kernel's own shared storage. The epilogue's storage
+  // Narrow: half of an SM's 228 KiB, less the 1 KiB the driver reserves per CTA and 1 KiB of
+  // slack for the pipeline barriers and the kernel's own shared storage. Wide: 6 stages of 32
+  // KiB, one CTA per SM (the measured count, above). The epilogue's storage
   // (the TMA epilogue's staging, or the NCHW epilogue's tile) takes none of it: the kernel makes
   // mainloop and epilogue storage one union, as its epilogue runs after the last MMA.
   // (Subtracting it, as before run 22, left TF32 3 stages (narrow) and 2 (wide), not 4 and 3;
   // the half types' counts are the same either way. Two CTAs per SM either way: registers.)
   static constexpr int kStageBytes = (128 + kTileN) * kTileK * int(sizeof(E));
-  static constexpr int kStages = (228 * 1024 / 2 - 2048) / kStageBytes;
-  static_assert(kStages >= 2, "two CTAs per SM need at least a double-buffered pipeline");
+  static constexpr int kStages =
+      kClass == TileClass::kWide ? 6 : (228 * 1024 / 2 - 2048) / kStageBytes;
+  static_assert(kStages >= 2, "at least a double-buffered pipeline");
+  static_assert(kStages * kStageBytes <= 227 * 1024 - 2048, "the stages fit one CTA per SM");
   static_assert(sizeof(typename Epilogue::SharedStorage) <= kStages * kStageBytes,
                 "the epilogue's storage fits in the stages' storage");
   using Mainloop = typename cutlass::conv::collective::CollectiveBuilder<
