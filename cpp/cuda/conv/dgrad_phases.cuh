@@ -21,7 +21,7 @@
 // 256 channels 56^2, run 25.) Not expressible this way (the planner then keeps the Sm80
 // kernel): a phase whose top padding would be negative (padding past the filter's reach), one
 // whose unit-stride output would run past its dx rows (bottom padding wider than the top's), and
-// more than kMaxDgradPhases phases.
+// more than kMaxPhases phases.
 #pragma once
 
 #include <cuda_runtime.h>

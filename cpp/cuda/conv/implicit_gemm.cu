@@ -28,8 +28,9 @@
 // by launch_wgrad_sum). TF32 wgrad of one group, filters over one tap, 16 or more channels and
 // filters and batches of 16 or more runs another kernel of ours
 // (implicit_gemm_sm90_wgrad_tf32.cuh) on copies of dy and x with the batch innermost
-// (plan_batch_inner_wgrad). Everywhere else, and for other TF32 wgrads, strided dgrad and
-// float32x3, the Sm80 ones (implicit_gemm_kernels.cuh). The Hopper fprop writes NCHW outputs
+// (plan_batch_inner_wgrad); a strided dgrad of one group at unit dilation runs as one Hopper
+// fprop per stride phase (dgrad_phases.cuh, plan_phase_dgrad). Everywhere else, and for other
+// TF32 wgrads, other strided dgrads and float32x3, the Sm80 ones (implicit_gemm_kernels.cuh). The Hopper fprop writes NCHW outputs
 // (one group, unpadded channels) from its epilogue, with no transpose after it.
 // Every pass is bitwise reproducible: no atomics anywhere, split-K partials go to separate
 // buffers and are summed in a fixed order.

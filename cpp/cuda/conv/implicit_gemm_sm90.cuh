@@ -67,7 +67,7 @@ struct Element<Math::kTF32> {
 // conv's reduction is short (C*R*S = 576 for 3x3x64: 9 k-tiles): so the pipeline gets as many
 // stages as leave room for two CTAs per SM, one CTA's loads overlapping the other's epilogue,
 // rather than all of shared memory for one: so the narrow tile. The wide tile runs one CTA per SM
-// with 6 stages, which took 12-23% less time than two of 3 (run 25, alone, N32: TF32 3x3/2
+// with 6 stages, which took 10-23% less time than two of 3 (run 25, alone, N32: TF32 3x3/2
 // 128->128 56^2 54.0 -> 41.8 us, 3x3 256->256 14^2 32.7 -> 28.3; bf16 23.2 -> 20.3, 18.9 ->
 // 17.0). kNchw: y is written NCHW by our epilogue (implicit_gemm_sm90_nchw_epilogue.cuh)
 // instead of CUTLASS's TMA one.
