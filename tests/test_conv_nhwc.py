@@ -354,7 +354,7 @@ def test_batch_sharded_on_8_devices():
 # padded weights. Strided dgrads of one group run on Hopper as one fprop per stride phase
 # (dgrad_phases.cuh): besides the two above (3x3/2 over an odd width; 1x1/2, whose phases past
 # the first are zeros), six phases of 1 and 2 taps (stride 2 x 3), 7x7/2 (phases with top
-# padding), 4x4/4 (16 phases of one tap), 2x2/3 (a third of the phases zeros), padded channels
+# padding), 4x4/4 (16 phases of one tap), 2x2/3 (five of nine phases zeros), padded channels
 # and filters, and 3x3/3 with padding 1 (a phase would need negative padding: the Sm80 kernel
 # keeps it).
 TENSOR_CORE_GEOMETRIES = [
