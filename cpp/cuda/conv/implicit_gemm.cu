@@ -427,6 +427,7 @@ bool plan_batch_inner_wgrad(const ConvQuery& query, const Plan& plan, BatchInner
   return true;
 }
 
+#if defined(JAX_KERNELS_HAVE_SM90_CONV)
 // Stride phase f of a strided dgrad as the Hopper fprop sees it: over dy ([N][P][Q][Kgp]) with
 // the phase's filters, writing its pixels of dx ([N][H][W][Cgp]) at the strides between them.
 NhwcConv phase_conv(const ConvProblem& p, const Plan& plan, const dgrad_phases::Phase& f) {
@@ -444,6 +445,7 @@ NhwcConv phase_conv(const ConvProblem& p, const Plan& plan, const dgrad_phases::
   c.d_stride_n = p.H * p.W * plan.Cgp;
   return c;
 }
+#endif
 
 // Whether the Hopper kernels may run the strided dgrad planned in *plan (the Sm80 kernel's
 // plan) as stride phases (dgrad_phases.cuh): one group, a math mode they have, phases the
@@ -1632,55 +1634,37 @@ ffi::Error run_gemm_route(cudaStream_t stream, const ConvQuery& query, const Pla
 }
 
 #if defined(JAX_KERNELS_HAVE_SM90_CONV)
-// A strided dgrad as its stride phases on Hopper (plan.phase_dgrad): dy to NHWC (unless read in
-// place) and the phases' filters in; dx zeroed where a phase gets no tap; one fprop per phase,
-// each writing its pixels of the NHWC dx; dx back to the tensor's layout unless in place.
+// A strided dgrad's stride phases on Hopper (plan.phase_dgrad), the steps run_nhwc_route's dgrad
+// runs in place of the weight transform and the Sm80 kernel: the phases' filters from the
+// weights w into `filters`; then zeros to dx where a phase gets no tap and one fprop per phase
+// over the NHWC dy, each writing its pixels of the NHWC dx.
 template <class Bits>
-ffi::Error run_phase_dgrad(cudaStream_t stream, const ConvQuery& query, const Plan& plan,
-                           const void* a, const void* b, void* out, char* base, unsigned steps) {
-  const ConvProblem& p = query.problem;
-  const int64_t Cg = plan.Cg, Kg = plan.Kg, Cgp = plan.Cgp, Kgp = plan.Kgp;
+ffi::Error launch_phase_filters(cudaStream_t stream, const ConvProblem& p, const Plan& plan,
+                                const void* w, char* filters) {
+  dgrad_phases::WeightsJob<Bits> job{};
+  job.w = static_cast<const Bits*>(w), job.out = reinterpret_cast<Bits*>(filters);
+  job.K = plan.Kg, job.C = plan.Cg, job.R = p.R, job.S = p.S, job.Kp = plan.Kgp, job.Cp = plan.Cgp;
+  job.stride_h = int(p.stride_h), job.stride_w = int(p.stride_w);
+  job.hwio = p.layout == ConvLayout::kNHWC, job.phases = plan.phases;
+  return dgrad_phases::launch_weights(stream, job);
+}
+
+ffi::Error run_phases(cudaStream_t stream, const ConvProblem& p, const Plan& plan,
+                      const void* dy, const char* filters, char* dx) {
   const int64_t eb = plan.element_bytes;
-  const bool hwio = p.layout == ConvLayout::kNHWC, in_place = plan.in_place;
-  const int64_t input_rows = p.N * p.H * p.W, output_rows = p.N * p.P * p.Q;
-  char* dy_nhwc = region(base, plan, 0);
-  char* filters = region(base, plan, 1);
-  char* dx = in_place ? static_cast<char*>(out) : region(base, plan, 2);
-  if (has(steps, kImplicitGemmLayoutIn)) {
-    if (!in_place) {
-      ffi::Error e =
-          hwio ? launch_layout<Bits>(stream, {}, nullptr,
-                                     {repack_job<Bits>(a, dy_nhwc, output_rows, 1, Kg, Kgp, true)})
-               : launch_layout<Bits>(stream,
-                                     {to_nhwc<Bits>(a, dy_nhwc, p.N, 1, Kg, p.P * p.Q, Kgp)});
-      if (e.failure()) return e;
-    }
-    dgrad_phases::WeightsJob<Bits> job{};
-    job.w = static_cast<const Bits*>(b), job.out = reinterpret_cast<Bits*>(filters);
-    job.K = Kg, job.C = Cg, job.R = p.R, job.S = p.S, job.Kp = Kgp, job.Cp = Cgp;
-    job.stride_h = int(p.stride_h), job.stride_w = int(p.stride_w);
-    job.hwio = hwio, job.phases = plan.phases;
-    if (ffi::Error e = dgrad_phases::launch_weights(stream, job); e.failure()) return e;
+  if (plan.phases.zero_fill &&
+      cudaMemsetAsync(dx, 0, size_t(p.N * p.H * p.W * plan.Cgp * eb), stream) != cudaSuccess)
+    return launch_status("conv2d (strided dgrad's zeroed phases)");
+  for (int i = 0; i < plan.phases.count; ++i) {
+    const dgrad_phases::Phase& f = plan.phases.phase[i];
+    NhwcConv c = phase_conv(p, plan, f);
+    c.a = dy;
+    c.b = filters + f.w_offset * eb;
+    c.c = nullptr;
+    c.d = dx + (int64_t(f.a) * p.W + f.b) * plan.Cgp * eb;
+    if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
   }
-  if (has(steps, kImplicitGemmCutlass)) {
-    if (plan.phases.zero_fill &&
-        cudaMemsetAsync(dx, 0, size_t(input_rows * Cgp * eb), stream) != cudaSuccess)
-      return launch_status("conv2d (strided dgrad's zeroed phases)");
-    for (int i = 0; i < plan.phases.count; ++i) {
-      const dgrad_phases::Phase& f = plan.phases.phase[i];
-      NhwcConv c = phase_conv(p, plan, f);
-      c.a = in_place ? a : dy_nhwc;
-      c.b = filters + f.w_offset * eb;
-      c.c = nullptr;
-      c.d = dx + (int64_t(f.a) * p.W + f.b) * Cgp * eb;
-      if (ffi::Error e = run(plan.math, c, stream); e.failure()) return e;
-    }
-  }
-  if (in_place || !has(steps, kImplicitGemmLayoutOut)) return ffi::Error::Success();
-  if (hwio)
-    return launch_layout<Bits>(stream, {}, nullptr,
-                               {repack_job<Bits>(dx, out, input_rows, 1, Cg, Cgp, false)});
-  return launch_layout<Bits>(stream, {to_nchw<Bits>(dx, out, p.N, 1, p.H * p.W, Cg, Cgp)});
+  return ffi::Error::Success();
 }
 #endif
 
@@ -1747,26 +1731,39 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
                                  {to_nchw<Bits>(y_nhwc, out, p.N, G, output_pixels, Kg, Kgp)});
     }
     case ConvPass::kBackwardData: {
-#if defined(JAX_KERNELS_HAVE_SM90_CONV)
-      if (plan.phase_dgrad && hopper_kernels())
-        return run_phase_dgrad<Bits>(stream, query, plan, a, b, out, base, steps);
-#endif
       char* dy_nhwc = region(base, plan, 0);
       char* w_t = region(base, plan, 1);
       char* dx_nhwc = region(base, plan, 2);
       weights.out = reinterpret_cast<Bits*>(w_t);
       weights.flip = plan.dgrad_as_fprop;
+      // On Hopper a strided dgrad of one group may run by stride phase (plan.phase_dgrad): the
+      // phases' filters replace the weight transform, their fprops the Sm80 kernel.
+      bool phases = false;
+#if defined(JAX_KERNELS_HAVE_SM90_CONV)
+      phases = plan.phase_dgrad && hopper_kernels();
+#endif
+      const WeightJob<Bits>* transform = phases ? nullptr : &weights;
       if (has(steps, kImplicitGemmLayoutIn)) {
         ffi::Error e =
-            in_place ? launch_layout<Bits>(stream, {}, &weights)
-            : hwio   ? launch_layout<Bits>(stream, {}, &weights,
+            in_place ? launch_layout<Bits>(stream, {}, transform)
+            : hwio   ? launch_layout<Bits>(stream, {}, transform,
                                            {repack_job<Bits>(a, dy_nhwc, output_rows, G, Kg, Kgp, true)})
                      : launch_layout<Bits>(
                            stream, {to_nhwc<Bits>(a, dy_nhwc, p.N, G, Kg, output_pixels, Kgp)},
-                           &weights);
+                           transform);
+#if defined(JAX_KERNELS_HAVE_SM90_CONV)
+        if (e.success() && phases) e = launch_phase_filters<Bits>(stream, p, plan, b, w_t);
+#endif
         if (e.failure()) return e;
       }
-      for (int64_t g = 0; g < G && has(steps, kImplicitGemmCutlass); ++g) {
+#if defined(JAX_KERNELS_HAVE_SM90_CONV)
+      if (phases && has(steps, kImplicitGemmCutlass))
+        if (ffi::Error e = run_phases(stream, p, plan, in_place ? a : dy_nhwc, w_t,
+                                      in_place ? static_cast<char*>(out) : dx_nhwc);
+            e.failure())
+          return e;
+#endif
+      for (int64_t g = 0; g < G && !phases && has(steps, kImplicitGemmCutlass); ++g) {
         c.a = in_place ? a : dy_nhwc + g * y_group;
         c.b = w_t + g * w_group;
         c.d = in_place || c.d_nchw ? out : dx_nhwc + g * x_group;
