@@ -5,6 +5,7 @@ geometries, every dtype, gradient checks, batching, the lowered program, trace-t
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 
 import jax
@@ -505,6 +506,22 @@ def test_float32_weight_gradient_forms_only_defined_products(layout, n, dilation
     assert_same_non_finite(got, expected)
 
 
+def strided_input_gradient_numpy(dy, w, side, stride, pad):
+    """dx [n][C][side][side] of a square conv from dy [n][K][out][out] and w [K][C][taps][taps],
+    float64, each tap's products summed elementwise (a non-finite dy reaches only the pixels its
+    taps read)."""
+    n, taps, out = dy.shape[0], w.shape[2], dy.shape[2]
+    expected = np.zeros((n, w.shape[1], side, side))
+    for p in range(out):
+        for q in range(out):
+            for r in range(taps):
+                for s in range(taps):
+                    h, v = p * stride + r - pad, q * stride + s - pad
+                    if 0 <= h < side and 0 <= v < side:
+                        expected[:, :, h, v] += (dy[:, :, None, p, q] * w[None, :, :, r, s]).sum(1)
+    return expected
+
+
 # Strided input gradients on Hopper run as one unit-stride fprop per stride phase
 # (dgrad_phases.cuh): each dx pixel gets only the products of the taps that reach it, and a phase
 # no tap reaches (2x2/3, 1x1/2) is zeros.
@@ -522,14 +539,7 @@ def test_strided_input_gradient_forms_only_defined_products(layout, taps, stride
     dy[1, 3, out - 1, 0] = np.inf
     dy[0, 5, 1, out - 2] = -np.inf
     w = np.asarray(random(46, (filters, channels, taps, taps), jnp.float32), np.float64)
-    expected = np.zeros((n, channels, side, side))
-    for p in range(out):
-        for q in range(out):
-            for r in range(taps):
-                for s in range(taps):
-                    h, v = p * stride + r - pad, q * stride + s - pad
-                    if 0 <= h < side and 0 <= v < side:
-                        expected[:, :, h, v] += (dy[:, :, None, p, q] * w[None, :, :, r, s]).sum(1)
+    expected = strided_input_gradient_numpy(dy, w, side, stride, pad)
     x = jnp.zeros((n, channels, side, side), jnp.float32)
     dy32, w32 = jnp.asarray(dy, jnp.float32), jnp.asarray(w, jnp.float32)
     options = dict(stride=stride, padding=pad)
@@ -542,6 +552,48 @@ def test_strided_input_gradient_forms_only_defined_products(layout, taps, stride
     assert_same_non_finite(got, expected)
     if stride * stride > taps * taps:
         assert (got == 0).any()  # a phase no tap reaches
+
+
+@pytest.mark.skipif(not HOPPER, reason="the stride phases run on a Hopper GPU")
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("taps, stride, pad", [(3, 2, 1), (4, 4, 0), (1, 2, 0), (7, 2, 3)],
+                         ids=str)
+def test_strided_input_gradient_streams_give_the_bits_of_one(monkeypatch, layout, taps, stride,
+                                                             pad):
+    """The stride phases run spread over side streams forked off XLA's (4 streams unless
+    JAX_KERNELS_PHASE_STREAMS says otherwise, read at every call): as they write disjoint
+    pixels, one stream, two and the default give the same bits, close to float64 NumPy. 4x4/4
+    has 16 phases (four a stream), 1x1/2 one phase and the zeros of the other three (written
+    beside it), 7x7/2 four of 9 to 16 taps. Two threads calling at once take turns on the side
+    streams (a lock) and get the same bits."""
+    n, channels, filters, side = 3, 16, 24, 30
+    out = (side + 2 * pad - taps) // stride + 1
+    dy = np.asarray(random(47, (n, filters, out, out), jnp.float32), np.float64)
+    w = np.asarray(random(48, (filters, channels, taps, taps), jnp.float32), np.float64)
+    expected = strided_input_gradient_numpy(dy, w, side, stride, pad)
+    x = jnp.zeros((n, channels, side, side), jnp.float32)
+    dy32, w32 = jnp.asarray(dy, jnp.float32), jnp.asarray(w, jnp.float32)
+    if layout == "NHWC":
+        x, dy32, w32 = x.transpose(0, 2, 3, 1), dy32.transpose(0, 2, 3, 1), w32.transpose(2, 3, 1, 0)
+    dgrad = jax.jit(lambda x, w, dy: jax.vjp(lambda x: jk.conv2d(
+        x, w, stride=stride, padding=pad, data_format=layout), x)[1](dy)[0])
+    def poisoned_dgrad():
+        # A freed buffer of dx's size full of NaNs, which the allocator hands dx next: a pixel
+        # the phases and the zeros leave unwritten shows.
+        poison = jnp.full(x.shape, jnp.nan, jnp.float32).block_until_ready()
+        del poison
+        return np.asarray(dgrad(x, w32, dy32))
+
+    bits = {}
+    for streams in ("1", "2", ""):
+        monkeypatch.setenv("JAX_KERNELS_PHASE_STREAMS", streams)
+        bits[streams] = poisoned_dgrad()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        threaded = list(pool.map(lambda i: np.asarray(dgrad(x, w32, dy32)), range(4)))
+    for got in list(bits.values()) + threaded:
+        assert got.tobytes() == bits["1"].tobytes()
+    got = bits[""] if layout == "NCHW" else bits[""].transpose(0, 3, 1, 2)
+    assert_close(got, expected, rtol_=1e-3)  # TF32
 
 
 @pytest.mark.skipif(not _ffi.CUDA_BUILT, reason="the CUDA module is not built")

@@ -258,7 +258,9 @@ def test_source_tree_without_native_module_says_so():
 def test_cuda_handlers_in_command_buffers(tmp_path):
     """Every CUDA handler is declared command-buffer compatible: with XLA capturing custom calls
     into CUDA graphs (even single ones), a jitted step over every op, run three times, gives the
-    bits it gives without command buffers (in this process)."""
+    bits it gives without command buffers (in this process). Its strided conv's input gradient
+    runs by stride phase on Hopper, spread over side streams forked off XLA's (captured as graph
+    edges)."""
     import os
     import pathlib
     import subprocess
@@ -268,19 +270,22 @@ def test_cuda_handlers_in_command_buffers(tmp_path):
     script.write_text(
         "import sys, numpy as np, jax, jax.numpy as jnp\n"
         "import jax_kernels as jk\n"
-        "def step(x, w, grid, boxes):\n"
-        "    def loss(x, w, grid, boxes):\n"
+        "def step(x, w, grid, boxes, x8, w8):\n"
+        "    def loss(x, w, grid, boxes, x8, w8):\n"
         "        h = jk.conv2d(x, w, padding=1)\n"
         "        h = jk.lerp(jk.grid_sample(h, grid), jk.repeat(h[:, :1, :8, :8], (1, 4, 1, 1)), 0.3)\n"
-        "        return (jk.roi_align(h, boxes, 2, sampling_ratio=2) ** 2).sum()\n"
-        "    return jax.grad(loss, argnums=(0, 1, 2, 3))(x, w, grid, boxes)\n"
-        "k = jax.random.split(jax.random.key(0), 3)\n"
+        "        strided = jk.conv2d(x8, w8, stride=2, padding=1)\n"
+        "        return (jk.roi_align(h, boxes, 2, sampling_ratio=2) ** 2).sum() + (strided ** 2).sum()\n"
+        "    return jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))(x, w, grid, boxes, x8, w8)\n"
+        "k = jax.random.split(jax.random.key(0), 5)\n"
         "x = jax.random.normal(k[0], (2, 3, 16, 16))\n"
         "w = jax.random.normal(k[1], (4, 3, 3, 3))\n"
         "grid = jax.random.uniform(k[2], (2, 8, 8, 2), minval=-1, maxval=1)\n"
         "boxes = jnp.array([[0, 1.0, 1.0, 6.0, 5.0], [1, 0.5, 2.0, 7.0, 7.0]])\n"
+        "x8 = jax.random.normal(k[3], (2, 16, 12, 12))\n"
+        "w8 = jax.random.normal(k[4], (16, 16, 3, 3))\n"
         "f = jax.jit(step)\n"
-        "runs = [[np.asarray(g) for g in f(x, w, grid, boxes)] for _ in range(3)]\n"
+        "runs = [[np.asarray(g) for g in f(x, w, grid, boxes, x8, w8)] for _ in range(3)]\n"
         "np.savez(sys.argv[1], *runs[0], *runs[1], *runs[2])\n")
     outputs = {}
     for name, flags in [("plain", "--xla_gpu_enable_command_buffer="),

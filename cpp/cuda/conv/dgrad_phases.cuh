@@ -16,12 +16,14 @@
 // product formed is one the convolution defines (no zero taps, unlike the Sm80 kernel's).
 //
 // A phase whose rows or columns get no tap (stride past the filter, e.g. 1x1/2) has dx zeros:
-// all of dx is zeroed (cudaMemsetAsync) before the phases run. (A kernel zeroing those phases'
-// pixels alone took as long at 1x1/2: 32.3 us against the memset's 31.1 for float32 N32
-// 256 channels 56^2, run 25.) Not expressible this way (the planner then keeps the Sm80
-// kernel): a phase whose top padding would be negative (padding past the filter's reach), one
-// whose unit-stride output would run past its dx rows (bottom padding wider than the top's), and
-// more than kMaxPhases phases.
+// zero_kernel writes them, beside the phases (on a stream of its own: implicit_gemm.cu's
+// run_phases), so that its stores overlap their reductions. (Run alone, such a kernel took as
+// long as zeroing all of dx before the phases: 32.3 us against cudaMemsetAsync's 31.1 for
+// float32 N32 256 channels 56^2 at 1x1/2, run 25. Beside the phase, that dgrad took 69.0 us a
+// call in-jit, against 73.6 with the zeros after it on one stream, H200, run 26.)
+// Not expressible this way (the planner then keeps the Sm80 kernel): a phase whose top padding
+// would be negative (padding past the filter's reach), one whose unit-stride output would run
+// past its dx rows (bottom padding wider than the top's), and more than kMaxPhases phases.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -52,8 +54,11 @@ struct Phase {
 };
 
 struct Phases {
-  int count = 0;          // phases with dx pixels and taps, in phase[]
-  bool zero_fill = false;  // some phase has dx pixels but no tap: dx is zeroed first
+  int count = 0;           // phases with dx pixels and taps, in phase[]
+  bool zero_fill = false;  // some phase has dx pixels but no tap: zero_kernel writes them
+  // Bit a (b): phase row a (column b) has dx rows (columns) but no tap. A dx pixel (h, w) is
+  // zero where bit h mod sh of zero_rows or bit w mod sw of zero_cols is set.
+  uint32_t zero_rows = 0, zero_cols = 0;
   Phase phase[kMaxPhases];
 };
 
@@ -89,6 +94,8 @@ inline bool plan(const ConvProblem& p, int64_t Kgp, int64_t Cgp, Phases* out) {
       if (rows.rows == 0 || cols.rows == 0) continue;  // no dx pixel in this phase
       if (rows.taps == 0 || cols.taps == 0) {
         out->zero_fill = true;
+        if (rows.taps == 0) out->zero_rows |= uint32_t(1) << a;
+        if (cols.taps == 0) out->zero_cols |= uint32_t(1) << b;
         continue;
       }
       // The fprop's output over all P dy rows, P + pad - taps + 1 (CUTLASS forms it from the
@@ -161,6 +168,50 @@ ffi::Error launch_weights(cudaStream_t stream, const WeightsJob<Bits>& job) {
   else
     weights_kernel<Bits, int64_t><<<grid, kThreads, 0, stream>>>(job);
   return launch_status("conv2d (strided dgrad's phase filters)");
+}
+
+// Zeros to the pixels of dx ([rows = N*H][W][units of 16 bytes]) that no tap reaches
+// (Phases::zero_rows, zero_cols). A block's threads are (units, pixels of a row): x over a
+// pixel's 16-byte units, y over the row's pixels; blocks stride over the rows. No division
+// per element: one per row and one (a modulo by the stride) per pixel.
+struct ZeroJob {
+  uint4* dx;
+  int64_t rows;
+  int H, W, units;
+  int stride_h, stride_w;
+  uint32_t zero_rows, zero_cols;
+};
+
+static __global__ void zero_kernel(const ZeroJob job) {
+  for (int64_t row = blockIdx.x; row < job.rows; row += gridDim.x) {
+    const bool whole = (job.zero_rows >> (int(row % job.H) % job.stride_h)) & 1;
+    uint4* out = job.dx + row * job.W * job.units;
+    for (int w = threadIdx.y; w < job.W; w += blockDim.y) {
+      if (!whole && !((job.zero_cols >> (w % job.stride_w)) & 1)) continue;
+      for (int u = threadIdx.x; u < job.units; u += blockDim.x)
+        out[int64_t(w) * job.units + u] = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// Whether zero_kernel can write this dx: 16-byte aligned, pixels a whole number of 16 bytes.
+inline bool zero_kernel_fits(const void* dx, int64_t pixel_bytes) {
+  return reinterpret_cast<uintptr_t>(dx) % 16 == 0 && pixel_bytes % 16 == 0 && pixel_bytes > 0 &&
+         pixel_bytes / 16 <= (int64_t(1) << 30);
+}
+
+inline ffi::Error launch_zeros(cudaStream_t stream, const Phases& phases, void* dx, int64_t N,
+                               int64_t H, int64_t W, int64_t pixel_bytes, int stride_h,
+                               int stride_w, int multiprocessors) {
+  ZeroJob job{static_cast<uint4*>(dx), N * H, int(H), int(W), int(pixel_bytes / 16),
+              stride_h, stride_w, phases.zero_rows, phases.zero_cols};
+  int tx = 1;
+  while (tx < job.units && tx < 32) tx *= 2;
+  const dim3 block(unsigned(tx), unsigned(256 / tx));
+  const int64_t blocks = std::min<int64_t>(job.rows, int64_t(multiprocessors) * 8);
+  const unsigned grid = unsigned(std::max<int64_t>(1, blocks));
+  zero_kernel<<<grid, block, 0, stream>>>(job);
+  return launch_status("conv2d (strided dgrad's zeroed phases)");
 }
 
 }  // namespace dgrad_phases
