@@ -577,9 +577,10 @@ def test_strided_input_gradient_streams_give_the_bits_of_one(monkeypatch, layout
         x, dy32, w32 = x.transpose(0, 2, 3, 1), dy32.transpose(0, 2, 3, 1), w32.transpose(2, 3, 1, 0)
     dgrad = jax.jit(lambda x, w, dy: jax.vjp(lambda x: jk.conv2d(
         x, w, stride=stride, padding=pad, data_format=layout), x)[1](dy)[0])
+
     def poisoned_dgrad():
-        # A freed buffer of dx's size full of NaNs, which the allocator hands dx next: a pixel
-        # the phases and the zeros leave unwritten shows.
+        # A freed buffer of dx's size full of NaNs, which the allocator is likely to hand dx
+        # next: a pixel the phases and the zeros left unwritten would show.
         poison = jnp.full(x.shape, jnp.nan, jnp.float32).block_until_ready()
         del poison
         return np.asarray(dgrad(x, w32, dy32))
