@@ -556,16 +556,19 @@ def test_strided_input_gradient_forms_only_defined_products(layout, taps, stride
 
 @pytest.mark.skipif(not HOPPER, reason="the stride phases run on a Hopper GPU")
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
-@pytest.mark.parametrize("taps, stride, pad", [(3, 2, 1), (4, 4, 0), (1, 2, 0), (7, 2, 3)],
+@pytest.mark.parametrize("taps, stride, pad",
+                         [(3, 2, 1), (4, 4, 0), (2, 2, 0), (1, 2, 0), (7, 2, 3), (6, 2, 2)],
                          ids=str)
 def test_strided_input_gradient_streams_give_the_bits_of_one(monkeypatch, layout, taps, stride,
                                                              pad):
     """The stride phases run spread over side streams forked off XLA's (4 streams unless
-    JAX_KERNELS_PHASE_STREAMS says otherwise, read at every call): as they write disjoint
-    pixels, one stream, two and the default give the same bits, close to float64 NumPy. 4x4/4
-    has 16 phases (four a stream), 1x1/2 one phase and the zeros of the other three (written
-    beside it), 7x7/2 four of 9 to 16 taps. Two threads calling at once take turns on the side
-    streams (a lock) and get the same bits."""
+    JAX_KERNELS_PHASE_STREAMS says otherwise, read at every call), column phases of equal taps
+    merged into one fprop (unless JAX_KERNELS_PHASE_MERGE=0): as they write disjoint pixels,
+    one stream, two, the default and unmerged phases give the same bits, close to float64
+    NumPy. 4x4/4 has 16 phases (four merged fprops of four), 2x2/2 and 6x6/2 two merged
+    fprops, 1x1/2 one phase and the zeros of the other three (written beside it), 7x7/2 four
+    of 9 to 16 taps (none merged). Two threads calling at once take turns on the side streams
+    (a lock) and get the same bits."""
     n, channels, filters, side = 3, 16, 24, 30
     out = (side + 2 * pad - taps) // stride + 1
     dy = np.asarray(random(47, (n, filters, out, out), jnp.float32), np.float64)
@@ -586,14 +589,17 @@ def test_strided_input_gradient_streams_give_the_bits_of_one(monkeypatch, layout
         return np.asarray(dgrad(x, w32, dy32))
 
     bits = {}
-    for streams in ("1", "2", ""):
+    for streams, merge in (("1", ""), ("2", ""), ("", ""), ("", "0"), ("1", "0")):
         monkeypatch.setenv("JAX_KERNELS_PHASE_STREAMS", streams)
-        bits[streams] = poisoned_dgrad()
+        monkeypatch.setenv("JAX_KERNELS_PHASE_MERGE", merge)
+        bits[streams, merge] = poisoned_dgrad()
+    monkeypatch.setenv("JAX_KERNELS_PHASE_STREAMS", "")
+    monkeypatch.setenv("JAX_KERNELS_PHASE_MERGE", "")
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         threaded = list(pool.map(lambda i: np.asarray(dgrad(x, w32, dy32)), range(4)))
     for got in list(bits.values()) + threaded:
-        assert got.tobytes() == bits["1"].tobytes()
-    got = bits[""] if layout == "NCHW" else bits[""].transpose(0, 3, 1, 2)
+        assert got.tobytes() == bits["1", ""].tobytes()
+    got = bits["", ""] if layout == "NCHW" else bits["", ""].transpose(0, 3, 1, 2)
     assert_close(got, expected, rtol_=1e-3)  # TF32
 
 

@@ -44,12 +44,18 @@ constexpr int kMaxPhases = 16;
 // tap (r0, s0) in the weights' own orientation and its tap counts; the top and left padding of
 // its unit-stride fprop over dy; and where its filter starts among the phases' filters
 // (elements).
+// cols column phases b, b + 1, ..., b + cols - 1 of row a that have the same taps, padding and
+// columns run as one fprop whose output channel j*Cp + c is channel c of column phase b + j:
+// their pixels (a + sh*m, b + j + sw*n) are adjacent in an NHWC dx, so the fprop's output pixel
+// n is cols*Cp contiguous channels, pixels sw*Cp apart (2x2/2: two launches of 2*C filters
+// instead of four of C). Column b + j's first tap is first_s + j.
 struct Phase {
   int a, b;
   int first_r, first_s;
   int taps_h, taps_w;
   int pad_h, pad_w;
   int P, Q;
+  int cols;
   int64_t w_offset;
 };
 
@@ -76,10 +82,11 @@ inline bool axis_phase(int64_t a, int64_t extent, int64_t taps, int64_t pad, int
   return out->taps == 0 || out->pad >= 0;
 }
 
-// The phases of p's dgrad (unit dilation, strides not both 1), filters [Cgp][taps][Kgp] each
-// (channels and filters padded as the kernels see them); false where the problem is not
-// expressible this way (above). Host arithmetic only, identical at trace and run time.
-inline bool plan(const ConvProblem& p, int64_t Kgp, int64_t Cgp, Phases* out) {
+// The phases of p's dgrad (unit dilation, strides not both 1), filters [cols*Cgp][taps][Kgp]
+// each (channels and filters padded as the kernels see them), adjacent column phases of equal
+// taps merged where `merge`; false where the problem is not expressible this way (above). Host
+// arithmetic only, identical at trace and run time.
+inline bool plan(const ConvProblem& p, int64_t Kgp, int64_t Cgp, Phases* out, bool merge = true) {
   *out = Phases{};
   if (p.dilation_h != 1 || p.dilation_w != 1 || (p.stride_h == 1 && p.stride_w == 1) ||
       p.stride_h * p.stride_w > kMaxPhases)
@@ -103,12 +110,23 @@ inline bool plan(const ConvProblem& p, int64_t Kgp, int64_t Cgp, Phases* out) {
       // padding wider than the top's can make it (the kernel then pads the bottom up to them).
       if (p.P + rows.pad - rows.taps + 1 > rows.rows || p.Q + cols.pad - cols.taps + 1 > cols.rows)
         return false;
+      if (merge && out->count > 0) {  // the column phase to the left, extended?
+        Phase& left = out->phase[out->count - 1];
+        if (left.a == int(a) && left.b + left.cols == int(b) && left.taps_w == int(cols.taps) &&
+            left.pad_w == int(cols.pad) && left.Q == int(cols.rows) &&
+            left.first_s + left.cols == int(cols.first)) {
+          ++left.cols;
+          offset += Cgp * rows.taps * cols.taps * Kgp;
+          continue;
+        }
+      }
       Phase& f = out->phase[out->count++];
       f.a = int(a), f.b = int(b);
       f.first_r = int(rows.first), f.first_s = int(cols.first);
       f.taps_h = int(rows.taps), f.taps_w = int(cols.taps);
       f.pad_h = int(rows.pad), f.pad_w = int(cols.pad);
       f.P = int(rows.rows), f.Q = int(cols.rows);
+      f.cols = 1;
       f.w_offset = offset;
       offset += Cgp * rows.taps * cols.taps * Kgp;
     }
@@ -117,9 +135,9 @@ inline bool plan(const ConvProblem& p, int64_t Kgp, int64_t Cgp, Phases* out) {
 }
 
 // The phases' filters from the weights (one group: KCRS [K][C][R][S], or HWIO [R][S][C][K] where
-// hwio): out[w_offset + ((c * taps_h + t) * taps_w + u) * Kp + k] =
-// w[k][c][first_r + sh*(taps_h-1-t)][first_s + sw*(taps_w-1-u)], zeros for padded channels
-// (c >= C) and filters (k >= K). Bits: the element's raw bits.
+// hwio): out[w_offset + (((j * Cp + c) * taps_h + t) * taps_w + u) * Kp + k] =
+// w[k][c][first_r + sh*(taps_h-1-t)][first_s + j + sw*(taps_w-1-u)] for merged column j < cols,
+// zeros for padded channels (c >= C) and filters (k >= K). Bits: the element's raw bits.
 template <class Bits>
 struct WeightsJob {
   const Bits* w;
@@ -133,18 +151,19 @@ struct WeightsJob {
 template <class Bits, class Index>
 __global__ void weights_kernel(const WeightsJob<Bits> job) {
   const Phase& f = job.phases.phase[blockIdx.y];
-  const Index total = Index(job.Cp * f.taps_h * f.taps_w * job.Kp);
+  const Index total = Index(f.cols * job.Cp * f.taps_h * f.taps_w * job.Kp);
   const GridStride<Index> loop(total, blockDim.x, threadIdx.x);
   for (Index i = loop.first; i < total; i = loop.next(i)) {
     const Index k = i % Index(job.Kp);
     Index rest = i / Index(job.Kp);
     const Index u = rest % f.taps_w;
     rest /= f.taps_w;
-    const Index t = rest % f.taps_h, c = rest / f.taps_h;
+    const Index t = rest % f.taps_h, o = rest / f.taps_h;
+    const Index j = o / Index(job.Cp), c = o % Index(job.Cp);
     Bits v = 0;
     if (k < job.K && c < job.C) {
       const int64_t r = f.first_r + int64_t(job.stride_h) * (f.taps_h - 1 - t);
-      const int64_t s = f.first_s + int64_t(job.stride_w) * (f.taps_w - 1 - u);
+      const int64_t s = f.first_s + j + int64_t(job.stride_w) * (f.taps_w - 1 - u);
       v = job.hwio ? job.w[((r * job.S + s) * job.C + c) * job.K + k]
                    : job.w[((int64_t(k) * job.C + c) * job.R + r) * job.S + s];
     }
@@ -157,7 +176,7 @@ ffi::Error launch_weights(cudaStream_t stream, const WeightsJob<Bits>& job) {
   int64_t largest = 0;
   for (int i = 0; i < job.phases.count; ++i) {
     const Phase& f = job.phases.phase[i];
-    largest = std::max(largest, job.Cp * f.taps_h * f.taps_w * job.Kp);
+    largest = std::max(largest, f.cols * job.Cp * f.taps_h * f.taps_w * job.Kp);
   }
   constexpr int kThreads = 256;
   const dim3 grid(unsigned(std::min<int64_t>(1024, std::max<int64_t>(1, (largest + kThreads - 1) / kThreads))),

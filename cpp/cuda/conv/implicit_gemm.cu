@@ -434,8 +434,9 @@ bool plan_batch_inner_wgrad(const ConvQuery& query, const Plan& plan, BatchInner
 NhwcConv phase_conv(const ConvProblem& p, const Plan& plan, const dgrad_phases::Phase& f) {
   NhwcConv c{};
   c.kernel = NhwcKernel::kFprop;
-  c.tile = plan.Cgp <= 64 ? TileClass::kNarrow : TileClass::kWide;
-  c.N = int(p.N), c.H = int(p.P), c.W = int(p.Q), c.C = int(plan.Kgp), c.K = int(plan.Cgp);
+  const int64_t filters = f.cols * plan.Cgp;  // merged column phases: adjacent channels
+  c.tile = filters <= 64 ? TileClass::kNarrow : TileClass::kWide;
+  c.N = int(p.N), c.H = int(p.P), c.W = int(p.Q), c.C = int(plan.Kgp), c.K = int(filters);
   c.R = f.taps_h, c.S = f.taps_w, c.P = f.P, c.Q = f.Q;
   c.pad_h = f.pad_h, c.pad_w = f.pad_w;
   c.stride_h = c.stride_w = c.dilation_h = c.dilation_w = 1;
@@ -456,7 +457,12 @@ bool plan_phase_dgrad(const ConvQuery& query, Plan* plan) {
 #if defined(JAX_KERNELS_HAVE_SM90_CONV)
   const ConvProblem& p = query.problem;
   if (p.groups != 1 || !sm90_math(plan->math)) return false;
-  if (!dgrad_phases::plan(p, plan->Kgp, plan->Cgp, &plan->phases)) return false;
+  // Adjacent column phases of equal taps run as one fprop (fewer launches, less device time; the
+  // same bits) unless JAX_KERNELS_PHASE_MERGE=0, kept for A/B measurements like
+  // JAX_KERNELS_CONV_SM90. The phases' filters take the same scratch either way.
+  const char* merge = std::getenv("JAX_KERNELS_PHASE_MERGE");
+  if (!dgrad_phases::plan(p, plan->Kgp, plan->Cgp, &plan->phases, !(merge && merge[0] == '0')))
+    return false;
   for (int i = 0; i < plan->phases.count; ++i)
     if (!can_implement(plan->math, phase_conv(p, *plan, plan->phases.phase[i]))) return false;
   return true;
@@ -1677,7 +1683,8 @@ ffi::Error run_phases(cudaStream_t stream, const ConvProblem& p, const Plan& pla
   const int count = plan.phases.count;
   for (int i = 0; i < count; ++i) order[i] = i;
   const auto taps = [&](int i) {
-    return plan.phases.phase[i].taps_h * plan.phases.phase[i].taps_w;
+    const dgrad_phases::Phase& f = plan.phases.phase[i];
+    return f.taps_h * f.taps_w * f.cols;
   };
   std::stable_sort(order, order + count, [&](int i, int j) { return taps(i) > taps(j); });
   return run_on_lanes("conv2d (strided dgrad's phases)", stream, count + zeros, phase_lanes(),
