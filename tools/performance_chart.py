@@ -33,6 +33,7 @@ SERIES = {
     "jnp": "pure JAX",
     "jnp.tile": "pure JAX",
     "lax.conv": "pure JAX",
+    "pure JAX": "pure JAX",
     "torch": "PyTorch",
     "torchvision": "PyTorch",
 }
