@@ -46,6 +46,11 @@ DENSE = [
     ((7, 24, 30, 30), (8, 24, 3, 3), dict(padding=1), False),
     # 1x1, unit stride, planes of whole vectors (48 pixels): NCHW wgrad reads x and dy in place.
     ((3, 20, 8, 6), (12, 10, 1, 1), dict(groups=2), True),
+    # The NCHW pointwise pass (1x1, unit stride, no padding: forward and dgrad on the planes in
+    # place): several runs of tiles per image and a short last tile, 13 = 8 + 4 + 1 filters;
+    # a plane shorter than one tile (staged alone), dilation (irrelevant to one tap).
+    ((2, 9, 20, 20), (13, 9, 1, 1), dict(), True),
+    ((1, 5, 5, 7), (9, 5, 1, 1), dict(dilation=2), False),
 ]
 
 SCRIPT = textwrap.dedent("""

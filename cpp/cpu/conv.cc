@@ -6,7 +6,9 @@
 // each reading only the live taps, so no time goes into the upsampled zeros. Per (image, group,
 // band of output rows) the source planes are copied once into a zero-padded buffer of the
 // accumulation type whose columns are split into `stride` phases: every tap then reads a
-// contiguous run of columns, and the loops need no bounds checks. The wgrad reduces over
+// contiguous run of columns, and the loops need no bounds checks. Pointwise passes (1x1 taps,
+// unit stride, no padding, NCHW planes of the accumulation type: run_pointwise) skip the copy:
+// the same sums run on the planes where they are. The wgrad reduces over
 // fixed slices of images into partial sums, then adds the slices in order, so results never
 // depend on the thread count. The inner loops live in conv_loops.inc, compiled for several
 // instruction sets and chosen once at run time.
@@ -74,6 +76,23 @@ struct WeightGradientBlock {
   int64_t images, positions;     // images, and flat positions per image (whole vectors)
 };
 
+// A pointwise pass's block (conv.cc's run_pointwise, conv_loops.inc's pointwise): every output
+// channel of one group over `tiles` tiles of pointwise_width positions, read and written where
+// they are (planes of unit column stride).
+template <class A>
+struct PointwiseBlock {
+  const A* source;        // source channel 0 at the block's first position
+  int64_t source_pitch;   // elements between source channels
+  int64_t channels;       // source channels of the group (the reduction)
+  const A* weights;       // as StencilTile's, for one tap: per block of output channels [i][o]
+  int64_t weight_stride;  // elements per output channel in `weights`
+  const A* bias;          // [out_channels] or nullptr
+  A* out;                 // output channel 0 at the block's first position
+  int64_t out_pitch;      // elements between output channels
+  int64_t out_channels;
+  int64_t tiles;
+};
+
 template <class A>
 struct CpuLoops {
   const char* name;   // the instruction set ("baseline", "avx2", "avx512")
@@ -97,6 +116,8 @@ struct CpuLoops {
   // out[c * out_pitch + u] = in[u * in_stride + c] for c, u < lanes (a tile transposed in
   // registers: channels-last pixels into channel planes).
   void (*transpose_tile)(const A* in, int64_t in_stride, A* out, int64_t out_pitch);
+  void (*pointwise)(const PointwiseBlock<A>&);
+  int pointwise_width;  // positions per tile of `pointwise`
 };
 
 namespace portable {
@@ -433,6 +454,60 @@ void run_stencil_direct(const StencilPass<T>& s) {
   });
 }
 
+// Whether the pass is pointwise on planes: 1x1 taps at unit stride with no padding (so every
+// output reads the source position it is at), source and output planes of unit column stride
+// with their rows back to back. (run_stencil_pass takes it for the accumulation type only: the
+// source is read where it is, with no conversion.)
+template <class T>
+bool pointwise_planes(const StencilPass<T>& s) {
+  const auto unit = [](const StencilAxis& a) {
+    return a.taps == 1 && a.stride == 1 && a.upsample == 1 && a.pad == 0 && a.out == a.source;
+  };
+  return unit(s.rows) && unit(s.cols) && s.source_at.d == 1 && s.source_at.c == s.cols.source &&
+         s.out_at.d == 1 && s.out_at.c == s.cols.out;
+}
+
+// The pointwise pass (pointwise_planes): per (image, group), the output channels over runs of
+// whole tiles of positions (conv_loops.inc's pointwise: the flat tiles' sum for one tap, the
+// same bits where those ran, 4 or more output channels per group) read and written in place; the last positions of a plane short of a tile are staged,
+// zero-padded, into a tile of their own. `packed` and `bias` as run_stencil_pass prepares them.
+template <class A>
+void run_pointwise(const StencilPass<A>& s, const CpuLoops<A>& isa, const A* packed,
+                   int64_t group_weights, const A* bias) {
+  constexpr int64_t kTilesPerItem = 4;
+  const int64_t Ig = s.in_per_group, Og = s.out_per_group, width = isa.pointwise_width;
+  const int64_t positions = s.rows.out * s.cols.out;
+  const int64_t full = positions / width, rest = positions - full * width;
+  const int64_t runs = ceil_div(full, kTilesPerItem) + (rest > 0 ? 1 : 0);
+  parallel_for(s.N * s.groups * runs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / (s.groups * runs), g = item / runs % s.groups;
+      const int64_t first = item % runs * kTilesPerItem;
+      const A* source = s.source + s.source_at.at(n, g * Ig, 0, 0);
+      A* out = s.out + s.out_at.at(n, g * Og, 0, 0);
+      PointwiseBlock<A> b{source, s.source_at.b, Ig, packed + g * group_weights, Ig,
+                          bias ? bias + g * Og : nullptr, out, s.out_at.b, Og, 0};
+      if (first < full) {
+        b.tiles = std::min(kTilesPerItem, full - first);
+        b.source += first * width;
+        b.out += first * width;
+        isa.pointwise(b);
+        continue;
+      }
+      ThreadScratch<A> staged(0, Ig * width), results(1, Og * width);
+      for (int64_t i = 0; i < Ig; ++i)
+        isa.copy_padded_rows(source + i * s.source_at.b + full * width, 0, 1, 0, rest, width,
+                             staged.data() + i * width);
+      b.source = staged.data(), b.source_pitch = width;
+      b.out = results.data(), b.out_pitch = width, b.tiles = 1;
+      isa.pointwise(b);
+      for (int64_t k = 0; k < Og; ++k)
+        std::copy(results.data() + k * width, results.data() + k * width + rest,
+                  out + k * s.out_at.b + full * width);
+    }
+  });
+}
+
 template <class T>
 void run_stencil_pass(const StencilPass<T>& s) {
   using A = acc_t<T>;
@@ -540,6 +615,12 @@ void run_stencil_pass(const StencilPass<T>& s) {
   if (s.bias) {
     bias.resize(s.groups * Og);
     for (size_t k = 0; k < bias.size(); ++k) bias[k] = to_acc(s.bias[k]);
+  }
+  if constexpr (std::is_same_v<T, A>) {
+    if (pointwise_planes(s)) {
+      run_pointwise(s, isa, packed.data(), group_weights, s.bias ? bias.data() : nullptr);
+      return;
+    }
   }
 
   // Bands of phase rows: about 512 KiB of source each, and enough of them for the threads.
