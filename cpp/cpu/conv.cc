@@ -76,23 +76,6 @@ struct WeightGradientBlock {
   int64_t images, positions;     // images, and flat positions per image (whole vectors)
 };
 
-// A pointwise pass's block (conv.cc's run_pointwise, conv_loops.inc's pointwise): every output
-// channel of one group over `tiles` tiles of pointwise_width positions, read and written where
-// they are (planes of unit column stride).
-template <class A>
-struct PointwiseBlock {
-  const A* source;        // source channel 0 at the block's first position
-  int64_t source_pitch;   // elements between source channels
-  int64_t channels;       // source channels of the group (the reduction)
-  const A* weights;       // as StencilTile's, for one tap: per block of output channels [i][o]
-  int64_t weight_stride;  // elements per output channel in `weights`
-  const A* bias;          // [out_channels] or nullptr
-  A* out;                 // output channel 0 at the block's first position
-  int64_t out_pitch;      // elements between output channels
-  int64_t out_channels;
-  int64_t tiles;
-};
-
 template <class A>
 struct CpuLoops {
   const char* name;   // the instruction set ("baseline", "avx2", "avx512")
@@ -116,7 +99,9 @@ struct CpuLoops {
   // out[c * out_pitch + u] = in[u * in_stride + c] for c, u < lanes (a tile transposed in
   // registers: channels-last pixels into channel planes).
   void (*transpose_tile)(const A* in, int64_t in_stride, A* out, int64_t out_pitch);
-  void (*pointwise)(const PointwiseBlock<A>&);
+  // The flat tiles' blocks for one tap over `tiles` tiles of positions read and written in
+  // place (conv.cc's run_pointwise).
+  void (*pointwise)(const StencilTile<A>&, const StencilOutput<A>&, int64_t tiles);
   int pointwise_width;  // positions per tile of `pointwise`
 };
 
@@ -479,28 +464,33 @@ void run_pointwise(const StencilPass<A>& s, const CpuLoops<A>& isa, const A* pac
   const int64_t positions = s.rows.out * s.cols.out;
   const int64_t full = positions / width, rest = positions - full * width;
   const int64_t runs = ceil_div(full, kTilesPerItem) + (rest > 0 ? 1 : 0);
+  const int64_t tap_offset = 0;
   parallel_for(s.N * s.groups * runs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / (s.groups * runs), g = item / runs % s.groups;
       const int64_t first = item % runs * kTilesPerItem;
       const A* source = s.source + s.source_at.at(n, g * Ig, 0, 0);
       A* out = s.out + s.out_at.at(n, g * Og, 0, 0);
-      PointwiseBlock<A> b{source, s.source_at.b, Ig, packed + g * group_weights, Ig,
-                          bias ? bias + g * Og : nullptr, out, s.out_at.b, Og, 0};
+      StencilTile<A> t{};
+      t.source = source, t.channels = Ig, t.channel_pitch = s.source_at.b;
+      t.row_taps = t.col_taps = 1, t.tap_offset = &tap_offset;
+      t.weights = packed + g * group_weights, t.weight_stride = Ig;
+      StencilOutput<A> o{};
+      o.out = out, o.channel_pitch = s.out_at.b, o.channels = Og;
+      o.bias = bias ? bias + g * Og : nullptr;
       if (first < full) {
-        b.tiles = std::min(kTilesPerItem, full - first);
-        b.source += first * width;
-        b.out += first * width;
-        isa.pointwise(b);
+        t.source += first * width;
+        o.out += first * width;
+        isa.pointwise(t, o, std::min(kTilesPerItem, full - first));
         continue;
       }
       ThreadScratch<A> staged(0, Ig * width), results(1, Og * width);
       for (int64_t i = 0; i < Ig; ++i)
         isa.copy_padded_rows(source + i * s.source_at.b + full * width, 0, 1, 0, rest, width,
                              staged.data() + i * width);
-      b.source = staged.data(), b.source_pitch = width;
-      b.out = results.data(), b.out_pitch = width, b.tiles = 1;
-      isa.pointwise(b);
+      t.source = staged.data(), t.channel_pitch = width;
+      o.out = results.data(), o.channel_pitch = width;
+      isa.pointwise(t, o, 1);
       for (int64_t k = 0; k < Og; ++k)
         std::copy(results.data() + k * width, results.data() + k * width + rest,
                   out + k * s.out_at.b + full * width);
