@@ -567,8 +567,8 @@ def test_strided_input_gradient_streams_give_the_bits_of_one(monkeypatch, layout
     one stream, two, the default and unmerged phases give the same bits, close to float64
     NumPy. 4x4/4 has 16 phases (over 30 columns, columns 0-1 and 2-3 merge: 8 and 7 pixels
     wide), 2x2/2 and 6x6/2 two merged fprops, 1x1/2 one phase and the zeros of the other three
-    (written beside it), 7x7/2 four of 9 to 16 taps (none merged). Two threads calling at once take turns on the side streams
-    (a lock) and get the same bits."""
+    (written beside it), 7x7/2 four of 9 to 16 taps (none merged). Two threads calling at once
+    take turns on the side streams (a lock) and get the same bits."""
     n, channels, filters, side = 3, 16, 24, 30
     out = (side + 2 * pad - taps) // stride + 1
     dy = np.asarray(random(47, (n, filters, out, out), jnp.float32), np.float64)
