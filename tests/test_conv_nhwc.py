@@ -19,7 +19,7 @@ from jax.test_util import check_grads
 
 import jax_kernels as jk
 from jk_testing import ON_GPU, TORCH_UNAVAILABLE, assert_close, random, rtol, torch
-from test_conv import GEOMETRIES, _id, jk_conv, operands, torch_conv
+from test_conv import GEOMETRIES, HOPPER, _id, jk_conv, operands, torch_conv
 
 needs_torch = pytest.mark.skipif(torch is None, reason=TORCH_UNAVAILABLE)
 pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same'")
@@ -427,6 +427,49 @@ def test_tensor_core_kernel_families_match_float64(monkeypatch, hopper, data_for
         if e is not None:
             assert a.dtype == dtype, name
             assert_close(a, e, rtol_=tolerance), name
+
+
+# Channels-last 1x1 convolutions with unit stride and no padding, whose forward and dgrad the
+# Hopper pointwise GEMM runs (implicit_gemm_sm90_pointwise.cuh): a narrow filter tile with bias,
+# a wide one whose dgrad reduces over several k-blocks with a short last one, the fewest channels
+# the tensor cores take (8) with filters off every tile, and enough tiles (196 wide ones) that the
+# persistent CTAs loop over several. Pixel counts are off the 128-row tile.
+POINTWISE_GEOMETRIES = [
+    ((2, 64, 14, 15), (64, 64, 1, 1), {}, True),
+    ((3, 32, 17, 19), (256, 32, 1, 1), {}, True),
+    ((2, 8, 9, 7), (24, 8, 1, 1), {}, False),
+    ((4, 64, 56, 56), (256, 64, 1, 1), {}, True),
+]
+
+
+@needs_torch
+@pytest.mark.skipif(not HOPPER, reason="the pointwise GEMM runs on a Hopper GPU")
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("geometry", POINTWISE_GEOMETRIES, ids=_id)
+def test_pointwise_gemm_matches_float64(monkeypatch, dtype, geometry):
+    """The forward and dgrad of channels-last 1x1 stride-1 convolutions on the persistent GEMM,
+    against float64 torch on the same rounded inputs, and against the implicit-GEMM conv kernel
+    (JAX_KERNELS_CONV_POINTWISE=0): the same reduction in the same k order, so
+    the same bits. Two calls give the same bits."""
+    shape_x, shape_w, options, bias = geometry
+    x, w, b, dy = nhwc_operands(7, shape_x, shape_w, bias, dtype, options)
+    monkeypatch.setenv("JAX_KERNELS_CONV_POINTWISE", "1")
+    got = jk_nhwc(x, w, b, dy, **options)
+    again = jk_nhwc(x, w, b, dy, **options)
+    cast = lambda a: None if a is None else a.astype(jnp.float64)
+    expected = torch_nhwc(cast(x), cast(w), cast(b), cast(dy), **options)
+    tolerance = 1e-3 if dtype == jnp.float32 else rtol(dtype)
+    for name, a, e in zip(("output", "d_input"), got, expected):
+        assert a.dtype == dtype, name
+        assert_close(a, e, rtol_=tolerance), name
+    # The switch is read when a call runs its handler; XLA's command buffers replay what they
+    # recorded, so the executables are compiled and recorded afresh.
+    monkeypatch.setenv("JAX_KERNELS_CONV_POINTWISE", "0")
+    jax.clear_caches()
+    conv_kernel = jk_nhwc(x, w, b, dy, **options)
+    for name, a, r, c in zip(("output", "d_input"), got, again, conv_kernel):
+        assert np.asarray(a).tobytes() == np.asarray(r).tobytes(), name
+        assert np.asarray(a).tobytes() == np.asarray(c).tobytes(), name
 
 
 def assert_wgrad_reproducible(seed, shape_x, shape_w, options, dtype, reference=None):

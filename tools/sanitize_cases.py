@@ -162,11 +162,14 @@ def conv2d_nhwc_cases(dtype):
     # columns (3-channel stems, with the output in place or unpacked), the direct channels-last
     # stencil, wgrad and bias gradient (depthwise, strided, dilated), per-example weights,
     # Hopper's split wgrad, filters large enough for the weights' tiled transpose (one group
-    # and two, padded filters and channels, the im2col route).
+    # and two, padded filters and channels, the im2col route), and 1x1 stride-1 convolutions,
+    # whose forward and dgrad run Hopper's pointwise GEMM (a narrow tile; a wide one with
+    # filters and pixels off the tile, its dgrad over three k-blocks, the last short).
     for x_shape, w_shape, options in (
             ((2, 9, 9, 16), (3, 3, 16, 16), dict(padding=1)),
             ((2, 11, 10, 16), (3, 3, 16, 32), dict(stride=2, padding=1)),
             ((2, 8, 8, 32), (1, 1, 32, 16), dict()),
+            ((2, 9, 11, 24), (1, 1, 24, 136), dict()),
             ((2, 14, 14, 8), (7, 7, 1, 8), dict(padding=3, groups=8)),
             ((2, 23, 19, 6), (5, 5, 1, 12), dict(padding=2, groups=6)),
             ((1, 17, 21, 5), (3, 3, 1, 5), dict(padding=1, groups=5)),

@@ -33,6 +33,7 @@
 
 #include "common/grid_stride.cuh"
 #include "common/status.h"
+#include "conv/tiling.h"
 #include "jax_kernels/conv.h"
 
 namespace jax_kernels {
@@ -215,7 +216,7 @@ static __global__ void zero_kernel(const ZeroJob job) {
 
 // Whether zero_kernel can write this dx: 16-byte aligned, pixels a whole number of 16 bytes.
 inline bool zero_kernel_fits(const void* dx, int64_t pixel_bytes) {
-  return reinterpret_cast<uintptr_t>(dx) % 16 == 0 && pixel_bytes % 16 == 0 && pixel_bytes > 0 &&
+  return aligned_to(dx, 16) && pixel_bytes % 16 == 0 && pixel_bytes > 0 &&
          pixel_bytes / 16 <= (int64_t(1) << 30);
 }
 

@@ -31,7 +31,10 @@
 // (plan_batch_inner_wgrad); a strided dgrad of one group at unit dilation runs as one Hopper
 // fprop per stride phase (dgrad_phases.cuh, plan_phase_dgrad). Everywhere else, and for other
 // TF32 wgrads, other strided dgrads and float32x3, the Sm80 ones (implicit_gemm_kernels.cuh). The Hopper fprop writes NCHW outputs
-// (one group, unpadded channels) from its epilogue, with no transpose after it.
+// (one group, unpadded channels) from its epilogue, with no transpose after it. A Hopper fprop
+// of 1x1 taps, unit stride and no padding with a packed NHWC output (channels-last 1x1
+// forwards and unit-stride dgrads, the im2col route's problem over its columns) runs as one
+// persistent GEMM over the pixels instead (implicit_gemm_sm90_pointwise.cuh; run_hopper).
 // Every pass is bitwise reproducible: no atomics anywhere, split-K partials go to separate
 // buffers and are summed in a fixed order.
 //
@@ -56,7 +59,9 @@
 #include "conv/dgrad_phases.cuh"
 #include "conv/implicit_gemm_kernels.h"
 #include "conv/slice_sum.cuh"
+#include "conv/tiling.h"
 #include "common/grid_stride.cuh"
+#include "common/knobs.h"
 #include "common/launch.h"
 #include "common/scratch.h"
 #include "common/side_streams.h"
@@ -104,8 +109,7 @@ auto with_math(Math math, F&& f) {
 // kernels). The scratch layout does not depend on it.
 bool hopper_kernels() {
 #if defined(JAX_KERNELS_HAVE_SM90_CONV)
-  const char* env = std::getenv("JAX_KERNELS_CONV_SM90");
-  if (env != nullptr && std::string(env) == "0") return false;
+  if (knob_off("JAX_KERNELS_CONV_SM90")) return false;
   static const bool hopper = [] {
     int device = 0, major = 0, minor = 0;
     if (cudaGetDevice(&device) != cudaSuccess ||
@@ -140,12 +144,24 @@ bool can_implement(Math math, const NhwcConv& conv) {
   }
 }
 
+// A planned Hopper fprop that is a pointwise GEMM (1x1, unit stride, no padding, packed NHWC
+// output) runs on the persistent GEMM (implicit_gemm_sm90_pointwise.cuh) unless
+// JAX_KERNELS_CONV_POINTWISE=0 (kept for A/B measurements); everything else on the conv kernels.
+template <Math M>
+ffi::Error run_hopper(const NhwcConv& conv, cudaStream_t stream) {
+  if (conv.kernel == NhwcKernel::kFprop && conv.R == 1 && conv.S == 1 &&
+      !knob_off("JAX_KERNELS_CONV_POINTWISE") &&
+      implicit_gemm::sm90_pointwise_can_implement<M>(conv))
+    return implicit_gemm::sm90_pointwise_run<M>(conv, stream);
+  return implicit_gemm::sm90_run<M>(conv, stream);
+}
+
 ffi::Error run(Math math, const NhwcConv& conv, cudaStream_t stream) {
   if (!conv.sm90) return with_math(math, [&](auto m) { return implicit_gemm::run<m()>(conv, stream); });
   switch (math) {
-    case Math::kFloat16: return implicit_gemm::sm90_run<Math::kFloat16>(conv, stream);
-    case Math::kBFloat16: return implicit_gemm::sm90_run<Math::kBFloat16>(conv, stream);
-    case Math::kTF32: return implicit_gemm::sm90_run<Math::kTF32>(conv, stream);
+    case Math::kFloat16: return run_hopper<Math::kFloat16>(conv, stream);
+    case Math::kBFloat16: return run_hopper<Math::kBFloat16>(conv, stream);
+    case Math::kTF32: return run_hopper<Math::kTF32>(conv, stream);
     default: return ffi::Error::Internal("conv2d: no Hopper kernel for float32x3");
   }
 }
@@ -460,8 +476,8 @@ bool plan_phase_dgrad(const ConvQuery& query, Plan* plan) {
   // Adjacent column phases of equal taps run as one fprop (fewer launches, less device time; the
   // same bits) unless JAX_KERNELS_PHASE_MERGE=0, kept for A/B measurements like
   // JAX_KERNELS_CONV_SM90. The phases' filters take the same scratch either way.
-  const char* merge = std::getenv("JAX_KERNELS_PHASE_MERGE");
-  if (!dgrad_phases::plan(p, plan->Kgp, plan->Cgp, &plan->phases, !(merge && merge[0] == '0')))
+  if (!dgrad_phases::plan(p, plan->Kgp, plan->Cgp, &plan->phases,
+                          !knob_off("JAX_KERNELS_PHASE_MERGE")))
     return false;
   for (int i = 0; i < plan->phases.count; ++i)
     if (!can_implement(plan->math, phase_conv(p, *plan, plan->phases.phase[i]))) return false;
@@ -1110,8 +1126,6 @@ __global__ void __launch_bounds__(kLayoutThreads, 6) layout_kernel(LayoutJobs<Bi
   }
 }
 
-bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
 // NCHW [N][G*channels][pixels] -> [G][N][pixels][channels_padded].
 template <class Bits>
 TransposeJob<Bits> to_nhwc(const void* in, void* out, int64_t N, int64_t G, int64_t channels,
@@ -1216,7 +1230,7 @@ ffi::Error launch_layout(cudaStream_t stream, std::initializer_list<TransposeJob
     // Accesses of `width` elements need every row start (and slice start) that aligned.
     auto fits = [](const Bits* base, int64_t ld, int64_t stride_n, int64_t stride_g, int width) {
       return ld % width == 0 && stride_n % width == 0 && stride_g % width == 0 &&
-             aligned(base, width * int64_t(sizeof(Bits)));
+             aligned_to(base, width * int64_t(sizeof(Bits)));
     };
     slot.vector_in = fits(job.in, job.in_ld, job.in_stride_n, job.in_stride_g, 4);
     slot.vector_out = fits(job.out, job.out_ld, job.out_stride_n, job.out_stride_g, 4);
@@ -1247,7 +1261,7 @@ ffi::Error launch_layout(cudaStream_t stream, std::initializer_list<TransposeJob
       const int64_t inner_valid = w.flip ? w.Kg : w.Cg;
       jobs.weights.vector_rows = (w.flip || w.flat_C == 0) && weight_row_stride(w) == 1 &&
                                  inner_valid % kVector == 0 && inner % kVector == 0 &&
-                                 aligned(w.w, 16) && aligned(w.out, 16);
+                                 aligned_to(w.w, 16) && aligned_to(w.out, 16);
     }
     const int64_t units = rows * ceil_div(inner, segment);
     jobs.weights.blocks = std::min<int64_t>(
@@ -1664,9 +1678,7 @@ ffi::Error launch_phase_filters(cudaStream_t stream, const ConvProblem& p, const
 // measurements, read at every call). Any count gives the same bits: the phases write disjoint
 // pixels.
 int phase_lanes() {
-  const char* env = std::getenv("JAX_KERNELS_PHASE_STREAMS");
-  if (env == nullptr || *env == 0) return 4;
-  return std::max(1, std::atoi(env));
+  return knob_count("JAX_KERNELS_PHASE_STREAMS", 4);
 }
 
 ffi::Error run_phases(cudaStream_t stream, const ConvProblem& p, const Plan& plan,

@@ -162,5 +162,15 @@ ffi::Error sm90_run(const NhwcConv& conv, cudaStream_t stream);
 template <Math M>
 Sm90WgradTiles sm90_wgrad_tiles(const NhwcConv& conv);
 
+// The Hopper pointwise GEMM (implicit_gemm_sm90_pointwise.cuh; float16, bfloat16, TF32): an
+// fprop of 1x1 taps, unit stride and no padding with a packed NHWC output, as one persistent
+// GEMM over the pixels. It takes a subset of what sm90_can_implement takes, so the planner plans
+// the conv kernel and the dispatcher runs this one instead where it takes the problem.
+// can_implement as above; run re-checks it with the pointers.
+template <Math M>
+bool sm90_pointwise_can_implement(const NhwcConv& conv);
+template <Math M>
+ffi::Error sm90_pointwise_run(const NhwcConv& conv, cudaStream_t stream);
+
 }  // namespace implicit_gemm
 }  // namespace jax_kernels

@@ -22,7 +22,9 @@
 #include <type_traits>
 
 #include "conv/implicit_gemm_kernels.h"
+#include "conv/implicit_gemm_sm90_common.cuh"
 #include "conv/implicit_gemm_sm90_nchw_epilogue.cuh"
+#include "conv/tiling.h"
 #include "common/status.h"
 
 #include "cute/tensor.hpp"
@@ -43,21 +45,6 @@ namespace implicit_gemm {
 namespace sm90 {
 
 using namespace cute;
-
-template <Math M>
-struct Element;
-template <>
-struct Element<Math::kFloat16> {
-  using type = cutlass::half_t;
-};
-template <>
-struct Element<Math::kBFloat16> {
-  using type = cutlass::bfloat16_t;
-};
-template <>
-struct Element<Math::kTF32> {
-  using type = float;  // read as float, multiplied as TF32 by the collective builder
-};
 
 // The tile table. GEMM view of fprop: M = N*P*Q output pixels, N = K filters, K = C*R*S. The
 // K extent of a tile is 128 bytes of elements (64 half, 32 float): one TMA box row per channel
@@ -113,21 +100,6 @@ struct FpropConfig {
   using Kernel = cutlass::conv::kernel::ConvUniversal<ProblemShape, Mainloop, Epilogue>;
   using Device = cutlass::conv::device::ConvUniversalAdapter<Kernel>;
 };
-
-// The SM count the kernel arguments carry (hardware info), queried once per process for the
-// current device rather than by CUTLASS at every call; it never changes a result.
-inline int sm_count() {
-  static const int count = [] {
-    int device = 0, sms = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      cudaGetLastError();
-      return 0;  // CUTLASS then queries it itself
-    }
-    return sms;
-  }();
-  return count;
-}
 
 // The bottom (right) padding CUTLASS needs to form the output extent P (Q) from H (W), which it
 // computes itself: the least that reaches the last output row, zero where rows of the input go
@@ -192,11 +164,9 @@ typename Config::Device::Arguments fprop_arguments(const NhwcConv& c) {
 // Problems the kernels take, besides CUTLASS's own can_implement: 16-byte aligned pointers
 // (TMA), no problem past int extents (checked by the planner), and padding the im2col TMA can
 // express (its corner offsets; can_implement checks them).
-inline bool aligned(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
 inline bool pointers_and_padding_fit(const NhwcConv& c) {
   for (const void* p : {c.a, c.b, c.c, static_cast<const void*>(c.d)})
-    if (!aligned(p)) return false;
+    if (!aligned_to(p, 16)) return false;
   return upper_padding(c.H, c.P, c.R, c.pad_h, c.stride_h, c.dilation_h) >= 0 &&
          upper_padding(c.W, c.Q, c.S, c.pad_w, c.stride_w, c.dilation_w) >= 0;
 }

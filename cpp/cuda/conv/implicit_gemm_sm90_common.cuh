@@ -1,0 +1,51 @@
+// What the Hopper (sm_90a) CUTLASS 3.x kernels of the tensor-core conv2d path share: their
+// element types and the SM count their arguments carry. Included by the implicit-GEMM conv
+// kernels (implicit_gemm_sm90.cuh) and by the pointwise GEMM (implicit_gemm_sm90_pointwise.cuh),
+// which build in separate translation units (see the latter).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "conv/implicit_gemm_kernels.h"
+
+#include "cutlass/cutlass.h"
+#include "cutlass/numeric_types.h"
+
+namespace jax_kernels {
+namespace implicit_gemm {
+namespace sm90 {
+
+template <Math M>
+struct Element;
+template <>
+struct Element<Math::kFloat16> {
+  using type = cutlass::half_t;
+};
+template <>
+struct Element<Math::kBFloat16> {
+  using type = cutlass::bfloat16_t;
+};
+template <>
+struct Element<Math::kTF32> {
+  using type = float;  // read as float, multiplied as TF32 by the collective builders
+};
+
+// The SM count the kernel arguments carry (hardware info), queried once per process for the
+// current device rather than by CUTLASS at every call. It sets the persistent GEMM's grid; it
+// never changes a result (every output tile is one CTA's whole reduction).
+inline int sm_count() {
+  static const int count = [] {
+    int device = 0, sms = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;  // CUTLASS then queries it itself
+    }
+    return sms;
+  }();
+  return count;
+}
+
+}  // namespace sm90
+}  // namespace implicit_gemm
+}  // namespace jax_kernels
