@@ -51,6 +51,11 @@ DENSE = [
     # a plane shorter than one tile (staged alone), dilation (irrelevant to one tap).
     ((2, 9, 20, 20), (13, 9, 1, 1), dict(), True),
     ((1, 5, 5, 7), (9, 5, 1, 1), dict(dilation=2), False),
+    # The channels-last pointwise pass (the same 1x1 passes on pixels in place): 70 filters,
+    # a whole block of 64 (32 on AVX2, 16 on the baseline) and a tail across a vector; 70 pixels,
+    # runs of 48 and register blocks of 6 with a short last one; its dgrad reduces 70 channels
+    # into 33 (a tail inside the first vector). The grouped 1x1 above takes it per group.
+    ((2, 33, 5, 7), (70, 33, 1, 1), dict(), True),
 ]
 
 SCRIPT = textwrap.dedent("""

@@ -76,6 +76,20 @@ struct WeightGradientBlock {
   int64_t images, positions;     // images, and flat positions per image (whole vectors)
 };
 
+// Channels-last pointwise (conv.cc's run_pointwise_pixels): pixel p's output channel k is
+// out[p * out_step + k] = bias[k] + sum over i of x[p * x_step + i] * weights' (i, k), for p in
+// [0, pixels), k in [0, filters), i in [0, channels) in order.
+template <class A>
+struct PixelBlock {
+  const A* x;
+  int64_t x_step, channels;
+  const A* weights;  // per block of pixel_filter_block filters: [channel][filter of the block],
+                     // zero past the last filter
+  const A* bias;     // [filters] or nullptr
+  A* out;
+  int64_t out_step, filters, pixels;
+};
+
 template <class A>
 struct CpuLoops {
   const char* name;   // the instruction set ("baseline", "avx2", "avx512")
@@ -103,6 +117,8 @@ struct CpuLoops {
   // place (conv.cc's run_pointwise).
   void (*pointwise)(const StencilTile<A>&, const StencilOutput<A>&, int64_t tiles);
   int pointwise_width;  // positions per tile of `pointwise`
+  void (*pointwise_pixels)(const PixelBlock<A>&);
+  int pixel_filter_block;  // filters per packed weight block of `pointwise_pixels`
 };
 
 namespace portable {
@@ -498,6 +514,52 @@ void run_pointwise(const StencilPass<A>& s, const CpuLoops<A>& isa, const A* pac
   });
 }
 
+// Whether the pass is pointwise on channels-last pixels: 1x1 taps at unit stride with no
+// padding, source and output channels contiguous within a pixel and pixels evenly spaced across
+// rows and images (so pixel p of the whole batch is at p times the pixel stride).
+template <class T>
+bool pointwise_pixels(const StencilPass<T>& s) {
+  const auto unit = [](const StencilAxis& a) {
+    return a.taps == 1 && a.stride == 1 && a.upsample == 1 && a.pad == 0 && a.out == a.source;
+  };
+  const auto even = [&](const TensorStrides& t) {
+    return t.b == 1 && t.c == s.cols.out * t.d && t.a == s.rows.out * t.c;
+  };
+  return unit(s.rows) && unit(s.cols) && even(s.source_at) && even(s.out_at);
+}
+
+// The channels-last pointwise pass (pointwise_pixels): per group, a GEMM of the batch's pixels
+// by the group's weights, read and written in place (conv_loops.inc's pointwise_pixels: register
+// blocks of pixels x filters, weights packed per block of filters). Each output sums the bias,
+// then its channels in order, as the flat tiles do (the same bits as the NCHW form). Items are
+// runs of pixels of one group, each computed the same way on any thread.
+template <class A>
+void run_pointwise_pixels(const StencilPass<A>& s, const CpuLoops<A>& isa) {
+  constexpr int64_t kPixelsPerItem = 48;
+  const int64_t Ig = s.in_per_group, Og = s.out_per_group, kb = isa.pixel_filter_block;
+  const int64_t blocks = ceil_div(Og, kb), group_weights = blocks * Ig * kb;
+  std::vector<A> packed(s.groups * group_weights, A(0));
+  for (int64_t g = 0; g < s.groups; ++g)
+    for (int64_t i = 0; i < Ig; ++i)
+      for (int64_t o = 0; o < Og; ++o)
+        packed[g * group_weights + (o / kb * Ig + i) * kb + o % kb] =
+            s.weights[s.weight_map.offset(g, o, i, 0, 0)];
+  const int64_t pixels = s.N * s.rows.out * s.cols.out;
+  const int64_t runs = ceil_div(pixels, kPixelsPerItem);
+  parallel_for(s.groups * runs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / runs, p0 = item % runs * kPixelsPerItem;
+      PixelBlock<A> b{};
+      b.x = s.source + p0 * s.source_at.d + g * Ig, b.x_step = s.source_at.d, b.channels = Ig;
+      b.weights = packed.data() + g * group_weights;
+      b.bias = s.bias ? s.bias + g * Og : nullptr;
+      b.out = s.out + p0 * s.out_at.d + g * Og, b.out_step = s.out_at.d, b.filters = Og;
+      b.pixels = std::min(kPixelsPerItem, pixels - p0);
+      isa.pointwise_pixels(b);
+    }
+  });
+}
+
 template <class T>
 void run_stencil_pass(const StencilPass<T>& s) {
   using A = acc_t<T>;
@@ -505,6 +567,9 @@ void run_stencil_pass(const StencilPass<T>& s) {
                                        // blocks
   const CpuLoops<A>& isa = loops<A>();
   if (stencil_out_of_proportion(s, isa.lanes)) return run_stencil_direct(s);
+  if constexpr (std::is_same_v<T, A>) {
+    if (pointwise_pixels(s)) return run_pointwise_pixels(s, isa);
+  }
   const int64_t Ig = s.in_per_group, Og = s.out_per_group;
   const std::vector<PhaseTaps> row_phases = phase_taps(s.rows), col_phases = phase_taps(s.cols);
   const int64_t up_y = s.rows.upsample, up_x = s.cols.upsample;
