@@ -23,6 +23,9 @@ import subprocess
 import sys
 import textwrap
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_kernels as jk
@@ -124,6 +127,32 @@ def test_dense_paths_match_torch_and_ignore_the_thread_count(isa, layout):
         for name, error in zip(("output", "d_input", "d_weight"), got["errors"]):
             assert error <= TOLERANCE[got["dtype"]], (got["dtype"], name, error)
     assert [r["digest"] for r in runs[0]] == [r["digest"] for r in runs[1]]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
+def test_channels_last_pointwise_gives_the_nchw_bits(dtype):
+    """1x1 convolutions at unit stride without padding, channels last, run a GEMM over the
+    pixels (conv.cc's run_pointwise_pixels: in place in float32 / float64, half types widened
+    per run of pixels); its sums are the channels-first passes' sums in the same order, so the
+    forward and dgrad give the same bits as the NCHW form of the same values: a block and a
+    tail of filters, groups, a bias and none."""
+    cpu = jax.devices("cpu")[0]
+    rng = np.random.default_rng(0)
+    dt = jnp.dtype(dtype)
+    with jax.default_device(cpu):  # conftest enables x64
+        for N, C, H, W, K, groups, bias in ((2, 33, 5, 7, 70, 1, True), (3, 20, 8, 6, 12, 2, False)):
+            x = jnp.asarray(rng.uniform(-1, 1, (N, C, H, W)), dt)
+            w = jnp.asarray(rng.uniform(-1, 1, (K, C // groups, 1, 1)), dt)
+            b = jnp.asarray(rng.uniform(-1, 1, (K,)), dt) if bias else None
+            dy = jnp.asarray(rng.uniform(-1, 1, (N, K, H, W)), dt)
+            y, vjp = jax.vjp(lambda x, w: jk.conv2d(x, w, b, groups=groups), x, w)
+            dx = vjp(dy)[0]
+            yl, vjpl = jax.vjp(lambda x, w: jk.conv2d(x, w, b, groups=groups, data_format="NHWC"),
+                               x.transpose(0, 2, 3, 1), w.transpose(2, 3, 1, 0))
+            dxl = vjpl(dy.transpose(0, 2, 3, 1))[0]
+            assert y.dtype == yl.dtype == dt
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(yl.transpose(0, 3, 1, 2)))
+            np.testing.assert_array_equal(np.asarray(dx), np.asarray(dxl.transpose(0, 3, 1, 2)))
 
 
 CONVERSIONS = textwrap.dedent("""

@@ -529,13 +529,18 @@ bool pointwise_pixels(const StencilPass<T>& s) {
 }
 
 // The channels-last pointwise pass (pointwise_pixels): per group, a GEMM of the batch's pixels
-// by the group's weights, read and written in place (conv_loops.inc's pointwise_pixels: register
-// blocks of pixels x filters, weights packed per block of filters). Each output sums the bias,
-// then its channels in order, as the flat tiles do (the same bits as the NCHW form). Items are
-// runs of pixels of one group, each computed the same way on any thread.
-template <class A>
-void run_pointwise_pixels(const StencilPass<A>& s, const CpuLoops<A>& isa) {
+// by the group's weights (conv_loops.inc's pointwise_pixels: register blocks of pixels x
+// filters, weights packed per block of filters). Each output sums the bias, then its channels
+// in order, in the accumulation type, as the flat tiles do (the same bits as the stencil pass).
+// The accumulation type's pixels are read and written in place; half types' are widened per
+// item into a scratch run of pixels, and the results narrowed back. Items are runs of pixels of
+// one group, each computed the same way on any thread.
+template <class T>
+void run_pointwise_pixels(const StencilPass<T>& s) {
+  using A = acc_t<T>;
+  constexpr bool kInPlace = std::is_same_v<T, A>;
   constexpr int64_t kPixelsPerItem = 48;
+  const CpuLoops<A>& isa = loops<A>();
   const int64_t Ig = s.in_per_group, Og = s.out_per_group, kb = isa.pixel_filter_block;
   const int64_t blocks = ceil_div(Og, kb), group_weights = blocks * Ig * kb;
   std::vector<A> packed(s.groups * group_weights, A(0));
@@ -543,19 +548,45 @@ void run_pointwise_pixels(const StencilPass<A>& s, const CpuLoops<A>& isa) {
     for (int64_t i = 0; i < Ig; ++i)
       for (int64_t o = 0; o < Og; ++o)
         packed[g * group_weights + (o / kb * Ig + i) * kb + o % kb] =
-            s.weights[s.weight_map.offset(g, o, i, 0, 0)];
+            to_acc(s.weights[s.weight_map.offset(g, o, i, 0, 0)]);
+  std::vector<A> bias;
+  if (s.bias) {
+    bias.resize(s.groups * Og);
+    for (size_t k = 0; k < bias.size(); ++k) bias[k] = to_acc(s.bias[k]);
+  }
   const int64_t pixels = s.N * s.rows.out * s.cols.out;
   const int64_t runs = ceil_div(pixels, kPixelsPerItem);
+  const int64_t in_step = s.source_at.d, out_step = s.out_at.d;
   parallel_for(s.groups * runs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / runs, p0 = item % runs * kPixelsPerItem;
+      const int64_t count = std::min(kPixelsPerItem, pixels - p0);
+      const T* x = s.source + p0 * in_step + g * Ig;
+      T* out = s.out + p0 * out_step + g * Og;
       PixelBlock<A> b{};
-      b.x = s.source + p0 * s.source_at.d + g * Ig, b.x_step = s.source_at.d, b.channels = Ig;
+      b.channels = Ig, b.filters = Og, b.pixels = count;
       b.weights = packed.data() + g * group_weights;
-      b.bias = s.bias ? s.bias + g * Og : nullptr;
-      b.out = s.out + p0 * s.out_at.d + g * Og, b.out_step = s.out_at.d, b.filters = Og;
-      b.pixels = std::min(kPixelsPerItem, pixels - p0);
-      isa.pointwise_pixels(b);
+      b.bias = s.bias ? bias.data() + g * Og : nullptr;
+      if constexpr (kInPlace) {
+        b.x = x, b.x_step = in_step, b.out = out, b.out_step = out_step;
+        isa.pointwise_pixels(b);
+      } else {
+        ThreadScratch<A> staged(0, count * Ig), results(1, count * Og);
+        if (in_step == Ig) {
+          widen_row(isa, x, 1, staged.data(), count * Ig);
+        } else {
+          for (int64_t p = 0; p < count; ++p)
+            widen_row(isa, x + p * in_step, 1, staged.data() + p * Ig, Ig);
+        }
+        b.x = staged.data(), b.x_step = Ig, b.out = results.data(), b.out_step = Og;
+        isa.pointwise_pixels(b);
+        if (out_step == Og) {
+          narrow_row(isa, results.data(), out, count * Og);
+        } else {
+          for (int64_t p = 0; p < count; ++p)
+            narrow_row(isa, results.data() + p * Og, out + p * out_step, Og);
+        }
+      }
     }
   });
 }
@@ -567,9 +598,7 @@ void run_stencil_pass(const StencilPass<T>& s) {
                                        // blocks
   const CpuLoops<A>& isa = loops<A>();
   if (stencil_out_of_proportion(s, isa.lanes)) return run_stencil_direct(s);
-  if constexpr (std::is_same_v<T, A>) {
-    if (pointwise_pixels(s)) return run_pointwise_pixels(s, isa);
-  }
+  if (pointwise_pixels(s)) return run_pointwise_pixels(s);
   const int64_t Ig = s.in_per_group, Og = s.out_per_group;
   const std::vector<PhaseTaps> row_phases = phase_taps(s.rows), col_phases = phase_taps(s.cols);
   const int64_t up_y = s.rows.upsample, up_x = s.cols.upsample;
