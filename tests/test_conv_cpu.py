@@ -133,14 +133,17 @@ def test_dense_paths_match_torch_and_ignore_the_thread_count(isa, layout):
 def test_channels_last_pointwise_gives_the_nchw_bits(dtype):
     """1x1 convolutions at unit stride without padding, channels last, run a GEMM over the
     pixels (conv.cc's run_pointwise_pixels: in place in float32 / float64, half types widened
-    per run of pixels); its sums are the channels-first passes' sums in the same order, so the
-    forward and dgrad give the same bits as the NCHW form of the same values: a block and a
-    tail of filters, groups, a bias and none."""
+    per run of pixels); channels first, the flat tiles over planes (run_pointwise: in place, or
+    half types widened a tile at a time). Both sum the bias, then the channels in order, so the
+    forward and dgrad give the same bits in either layout: a block and a tail of filters,
+    groups, a bias and none, planes shorter than a tile, and whole tiles and a short last one
+    in the last of several runs of tiles (16 x 16 = 5 tiles of 48 and 16 positions)."""
     cpu = jax.devices("cpu")[0]
     rng = np.random.default_rng(0)
     dt = jnp.dtype(dtype)
     with jax.default_device(cpu):  # conftest enables x64
-        for N, C, H, W, K, groups, bias in ((2, 33, 5, 7, 70, 1, True), (3, 20, 8, 6, 12, 2, False)):
+        for N, C, H, W, K, groups, bias in ((2, 33, 5, 7, 70, 1, True), (3, 20, 8, 6, 12, 2, False),
+                                            (2, 16, 16, 16, 24, 1, True)):
             x = jnp.asarray(rng.uniform(-1, 1, (N, C, H, W)), dt)
             w = jnp.asarray(rng.uniform(-1, 1, (K, C // groups, 1, 1)), dt)
             b = jnp.asarray(rng.uniform(-1, 1, (K,)), dt) if bias else None

@@ -457,8 +457,7 @@ void run_stencil_direct(const StencilPass<T>& s) {
 
 // Whether the pass is pointwise on planes: 1x1 taps at unit stride with no padding (so every
 // output reads the source position it is at), source and output planes of unit column stride
-// with their rows back to back. (run_stencil_pass takes it for the accumulation type only: the
-// source is read where it is, with no conversion.)
+// with their rows back to back.
 template <class T>
 bool pointwise_planes(const StencilPass<T>& s) {
   const auto unit = [](const StencilAxis& a) {
@@ -470,11 +469,15 @@ bool pointwise_planes(const StencilPass<T>& s) {
 
 // The pointwise pass (pointwise_planes): per (image, group), the output channels over runs of
 // whole tiles of positions (conv_loops.inc's pointwise: the flat tiles' sum for one tap, the
-// same bits where those ran, 4 or more output channels per group) read and written in place; the last positions of a plane short of a tile are staged,
-// zero-padded, into a tile of their own. `packed` and `bias` as run_stencil_pass prepares them.
-template <class A>
-void run_pointwise(const StencilPass<A>& s, const CpuLoops<A>& isa, const A* packed,
+// same bits where those ran, 4 or more output channels per group). Planes of the accumulation
+// type are read and written in place, but for the last positions of a plane short of a tile,
+// which are staged, zero-padded, into a tile of their own. Half types' planes are staged a tile
+// at a time, widened, and the results narrowed back (the same conversions as the stencil's
+// staging). `packed` and `bias` as run_stencil_pass prepares them.
+template <class T, class A>
+void run_pointwise(const StencilPass<T>& s, const CpuLoops<A>& isa, const A* packed,
                    int64_t group_weights, const A* bias) {
+  constexpr bool kInPlace = std::is_same_v<T, A>;
   constexpr int64_t kTilesPerItem = 4;
   const int64_t Ig = s.in_per_group, Og = s.out_per_group, width = isa.pointwise_width;
   const int64_t positions = s.rows.out * s.cols.out;
@@ -485,31 +488,49 @@ void run_pointwise(const StencilPass<A>& s, const CpuLoops<A>& isa, const A* pac
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / (s.groups * runs), g = item / runs % s.groups;
       const int64_t first = item % runs * kTilesPerItem;
-      const A* source = s.source + s.source_at.at(n, g * Ig, 0, 0);
-      A* out = s.out + s.out_at.at(n, g * Og, 0, 0);
+      const T* source = s.source + s.source_at.at(n, g * Ig, 0, 0);
+      T* out = s.out + s.out_at.at(n, g * Og, 0, 0);
       StencilTile<A> t{};
-      t.source = source, t.channels = Ig, t.channel_pitch = s.source_at.b;
-      t.row_taps = t.col_taps = 1, t.tap_offset = &tap_offset;
+      t.channels = Ig, t.row_taps = t.col_taps = 1, t.tap_offset = &tap_offset;
       t.weights = packed + g * group_weights, t.weight_stride = Ig;
       StencilOutput<A> o{};
-      o.out = out, o.channel_pitch = s.out_at.b, o.channels = Og;
-      o.bias = bias ? bias + g * Og : nullptr;
-      if (first < full) {
-        t.source += first * width;
-        o.out += first * width;
-        isa.pointwise(t, o, std::min(kTilesPerItem, full - first));
-        continue;
+      o.channels = Og, o.bias = bias ? bias + g * Og : nullptr;
+      if constexpr (kInPlace) {
+        if (first < full) {
+          t.source = source + first * width, t.channel_pitch = s.source_at.b;
+          o.out = out + first * width, o.channel_pitch = s.out_at.b;
+          isa.pointwise(t, o, std::min(kTilesPerItem, full - first));
+          continue;
+        }
       }
+      // Staged tiles: this item's whole tiles (half types), or the last positions.
       ThreadScratch<A> staged(0, Ig * width), results(1, Og * width);
-      for (int64_t i = 0; i < Ig; ++i)
-        isa.copy_padded_rows(source + i * s.source_at.b + full * width, 0, 1, 0, rest, width,
-                             staged.data() + i * width);
       t.source = staged.data(), t.channel_pitch = width;
       o.out = results.data(), o.channel_pitch = width;
-      isa.pointwise(t, o, 1);
-      for (int64_t k = 0; k < Og; ++k)
-        std::copy(results.data() + k * width, results.data() + k * width + rest,
-                  out + k * s.out_at.b + full * width);
+      const int64_t begin_tile = std::min(first, full);  // the last item: tile `full`
+      const int64_t end_tile = first < full ? std::min(first + kTilesPerItem, full) : full + 1;
+      for (int64_t tile = begin_tile; tile < end_tile; ++tile) {
+        const int64_t j0 = tile * width, count = tile < full ? width : rest;
+        for (int64_t i = 0; i < Ig; ++i) {
+          A* row = staged.data() + i * width;
+          const T* in = source + i * s.source_at.b + j0;
+          if constexpr (kInPlace) {
+            isa.copy_padded_rows(in, 0, 1, 0, count, width, row);
+          } else {
+            widen_row(isa, in, 1, row, count);
+            std::fill(row + count, row + width, A(0));
+          }
+        }
+        isa.pointwise(t, o, 1);
+        for (int64_t k = 0; k < Og; ++k) {
+          const A* r = results.data() + k * width;
+          if constexpr (kInPlace) {
+            std::copy(r, r + count, out + k * s.out_at.b + j0);
+          } else {
+            narrow_row(isa, r, out + k * s.out_at.b + j0, count);
+          }
+        }
+      }
     }
   });
 }
@@ -700,11 +721,9 @@ void run_stencil_pass(const StencilPass<T>& s) {
     bias.resize(s.groups * Og);
     for (size_t k = 0; k < bias.size(); ++k) bias[k] = to_acc(s.bias[k]);
   }
-  if constexpr (std::is_same_v<T, A>) {
-    if (pointwise_planes(s)) {
-      run_pointwise(s, isa, packed.data(), group_weights, s.bias ? bias.data() : nullptr);
-      return;
-    }
+  if (pointwise_planes(s)) {
+    run_pointwise(s, isa, packed.data(), group_weights, s.bias ? bias.data() : nullptr);
+    return;
   }
 
   // Bands of phase rows: about 512 KiB of source each, and enough of them for the threads.
