@@ -8,6 +8,9 @@ calls of ours and torch's calls (both with the same thread count: torch.set_num_
 jax_kernels' pool, JAX_KERNELS_NUM_THREADS), and prints the median and minimum ms per call of
 each with the 1-minute load average beside it. On a shared machine, time only when the load is
 low, and compare figures of one run only. torch gets NCHW tensors whatever --layout is.
+`--only ours` / `--only torch` times one library alone (torch's spinning OpenMP threads slow
+what runs next to them in one process; on a 2-core Zen 5 VM its own 3x3 forward also measured
+1.1 ms interleaved against 1.6-1.7 alone): run it once per library for a standing.
 """
 import argparse
 import os
@@ -44,6 +47,9 @@ def main():
     p.add_argument("--layout", default="NCHW", choices=["NCHW", "NHWC"])
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--ms", type=float, default=20.0, help="milliseconds per round and contender")
+    p.add_argument("--only", choices=["ours", "torch"], default=None,
+                   help="time one library alone (run once per library: torch's OpenMP threads "
+                        "spin after its calls and slow whatever runs next in the process)")
     a = p.parse_args()
     torch.set_num_threads(int(os.environ.get("JAX_KERNELS_NUM_THREADS", os.cpu_count())))
     nhwc = a.layout == "NHWC"
@@ -75,21 +81,24 @@ def main():
                       "dgrad": lambda: torch.nn.grad.conv2d_input(tx.shape, tw, tdy, **o),
                       "wgrad": lambda: torch.nn.grad.conv2d_weight(tx, tw.shape, tdy, **o)}
             for name in a.passes.split(","):
-                A, B = ours[name], theirs[name]
+                timed = [f for f, who in ((ours[name], "ours"), (theirs[name], "torch"))
+                         if a.only in (None, who)]
                 for _ in range(3):
-                    A()
-                    B()
-                na = max(1, int(a.ms / max(per_call_ms(A, 1), 0.01)))
-                nb = max(1, int(a.ms / max(per_call_ms(B, 1), 0.01)))
-                ta, tb = [], []
+                    for fn in timed:
+                        fn()
+                calls = [max(1, int(a.ms / max(per_call_ms(fn, 1), 0.01))) for fn in timed]
+                times = [[] for _ in timed]
                 for _ in range(a.rounds):
-                    ta.append(per_call_ms(A, na))
-                    tb.append(per_call_ms(B, nb))
-                mo, mt = statistics.median(ta), statistics.median(tb)
+                    for fn, n, t in zip(timed, calls, times):
+                        t.append(per_call_ms(fn, n))
                 load = open("/proc/loadavg").read().split()[0]
-                print(f"{shape:5s} {a.layout} {dtype:9s} {name:6s} jax_kernels {mo:8.3f} "
-                      f"(min {min(ta):8.3f}) ms  torch {mt:8.3f} (min {min(tb):8.3f}) ms  "
-                      f"torch/ours {mt / mo:5.2f}  load {load}", flush=True)
+                text = [f"{who} {statistics.median(t):8.3f} (min {min(t):8.3f}) ms" for who, t in
+                        zip([w for w in ("jax_kernels", "torch") if a.only in (None, w.replace(
+                            "jax_kernels", "ours"))], times)]
+                ratio = (f"  torch/ours {statistics.median(times[1]) / statistics.median(times[0]):5.2f}"
+                         if len(times) == 2 else "")
+                print(f"{shape:5s} {a.layout} {dtype:9s} {name:6s} " + "  ".join(text) + ratio
+                      + f"  load {load}", flush=True)
 
 
 if __name__ == "__main__":
