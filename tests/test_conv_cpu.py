@@ -59,6 +59,9 @@ DENSE = [
     # runs of 48 and register blocks of 6 with a short last one; its dgrad reduces 70 channels
     # into 33 (a tail inside the first vector). The grouped 1x1 above takes it per group.
     ((2, 33, 5, 7), (70, 33, 1, 1), dict(), True),
+    # The channels-last 1x1 wgrad's pixel GEMM: 2790 pixels, two slices of its ordered sum and
+    # chunks of 128 with a short last one; 20 filters, a short block.
+    ((3, 8, 30, 31), (20, 8, 1, 1), dict(), False),
 ]
 
 SCRIPT = textwrap.dedent("""
@@ -196,12 +199,13 @@ def test_half_conversions_are_exact(isa):
 # Channels-last weight gradients stage their planes differently (tiles transposed in registers
 # at any stride, where NCHW copies rows) into the same buffers: the same bits as NCHW's on the
 # same data. Shapes with whole and partial 16-channel tiles, groups, dilation, stride and
-# padding.
+# padding. (1x1 unit-stride unpadded ones in float32 / float64 are a GEMM over the pixels
+# instead, in another order: DENSE checks them against float64 torch.)
 CHANNELS_LAST_WGRAD = [
     ((2, 20, 9, 11), (18, 20, 3, 3), dict(padding=1)),
-    ((3, 40, 8, 6), (24, 20, 1, 1), dict(groups=2)),
+    ((3, 40, 8, 6), (24, 20, 1, 1), dict(groups=2, stride=2)),
     ((2, 33, 7, 19), (17, 33, 3, 5), dict(padding=(1, 2), dilation=(1, 2))),
-    ((1, 16, 16, 16), (16, 16, 1, 1), dict()),
+    ((1, 16, 16, 16), (16, 16, 1, 1), dict(padding=1)),
     ((2, 17, 12, 12), (16, 17, 3, 3), dict(stride=2, padding=1)),
     ((2, 35, 5, 40), (32, 35, 2, 2), dict(padding=3)),
     # Strided phases of whole 16-pixel runs (transposed at a pixel stride of stride * C).

@@ -90,6 +90,21 @@ struct PixelBlock {
   int64_t out_step, filters, pixels;
 };
 
+// The channels-last 1x1 weight gradient (conv.cc's run_weight_gradient_pixels) over a run of
+// pixels: partial[c * partial_pitch + k] = (first ? 0 : partial[...]) + sum over p in [0,
+// pixels), in order, of x[p * x_step + c] * dy[p * dy_step + k]; partial_pitch a whole number
+// of pixel_filter_block filters.
+template <class A>
+struct PixelGradient {
+  const A* x;
+  int64_t x_step, channels;
+  const A* dy;
+  int64_t dy_step, filters, pixels;
+  A* partial;
+  int64_t partial_pitch;
+  bool first;
+};
+
 template <class A>
 struct CpuLoops {
   const char* name;   // the instruction set ("baseline", "avx2", "avx512")
@@ -119,6 +134,7 @@ struct CpuLoops {
   int pointwise_width;  // positions per tile of `pointwise`
   void (*pointwise_pixels)(const PixelBlock<A>&);
   int pixel_filter_block;  // filters per packed weight block of `pointwise_pixels`
+  void (*pixel_gradient)(const PixelGradient<A>&);
 };
 
 namespace portable {
@@ -959,6 +975,60 @@ void run_weight_gradient_direct(const T* dy, const T* x, T* dw, const ConvProble
   });
 }
 
+// The channels-last 1x1 weight gradient at unit stride without padding (every output pixel
+// reads the input pixel it is at), float32 / float64: per group a GEMM of x's pixels by dy's,
+// dw[c][k] = sum over pixels of x[p][c] * dy[p][k], both read in place. The batch's pixels go in
+// slices of at most kSlicePixels (a count the shape fixes), each slice's sums in pixel order in
+// a float partial of its own, then the slices are added in order: the thread count never
+// changes a result.
+bool pixel_weight_gradient(const ConvProblem& p) {
+  return p.layout == ConvLayout::kNHWC && p.R == 1 && p.S == 1 &&
+         p.stride_h == 1 && p.stride_w == 1 && p.pad_top == 0 && p.pad_left == 0 &&
+         p.P == p.H && p.Q == p.W;
+}
+
+template <class A>
+void run_weight_gradient_pixels(const A* dy, const A* x, A* dw, const ConvProblem& p) {
+  constexpr int64_t kSlicePixels = 2048, kChunkPixels = 128;
+  const CpuLoops<A>& isa = loops<A>();
+  const int64_t Og = p.filters_per_group(), Ig = p.channels_per_group(), G = p.groups;
+  const int64_t pixels = p.N * p.P * p.Q;
+  const int64_t slices = std::max<int64_t>(1, ceil_div(pixels, kSlicePixels));
+  const int64_t per_slice = ceil_div(std::max<int64_t>(pixels, 1), slices);
+  const int64_t pitch = round_up(std::max<int64_t>(Og, 1), isa.pixel_filter_block);
+  const int64_t slice_elements = Ig * pitch;
+  std::vector<A> partial(G * slices * slice_elements);
+  parallel_for(G * slices, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / slices, s = item % slices;
+      const int64_t p0 = std::min(pixels, s * per_slice), p1 = std::min(pixels, p0 + per_slice);
+      PixelGradient<A> b{};
+      b.x_step = p.C, b.channels = Ig, b.dy_step = p.K, b.filters = Og;
+      b.partial = partial.data() + item * slice_elements, b.partial_pitch = pitch;
+      b.first = true;
+      if (p1 == p0) std::fill(b.partial, b.partial + slice_elements, A(0));
+      for (int64_t c0 = p0; c0 < p1; c0 += kChunkPixels) {  // a chunk of pixels stays in cache
+        b.x = x + c0 * p.C + g * Ig, b.dy = dy + c0 * p.K + g * Og;
+        b.pixels = std::min(kChunkPixels, p1 - c0);
+        isa.pixel_gradient(b);
+        b.first = false;
+      }
+    }
+  });
+  // HWIO [1][1][Ig][K]: dw[c * K + g * Og + o], the slices added in order.
+  parallel_for(G * Ig, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t g = row / Ig, c = row % Ig;
+      for (int64_t o = 0; o < Og; ++o) {
+        A sum = partial[(g * slices) * slice_elements + c * pitch + o];
+        for (int64_t s = 1; s < slices; ++s)
+          sum += partial[(g * slices + s) * slice_elements + c * pitch + o];
+        dw[c * p.K + g * Og + o] = sum;
+      }
+    }
+  });
+}
+
 template <class T>
 void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   using A = acc_t<T>;
@@ -966,6 +1036,9 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   const int64_t Kg = p.filters_per_group(), Cg = p.channels_per_group(), RS = p.R * p.S;
   const int64_t weights = p.K * Cg * RS;
   if (weights == 0) return;
+  if constexpr (std::is_same_v<T, A>) {
+    if (pixel_weight_gradient(p)) return run_weight_gradient_pixels(dy, x, dw, p);
+  }
   const int64_t L = isa.lanes;
   // Output (p, q) reads, at tap (r, s), x row p * stride_h + a - pad_top and column
   // q * stride_w + b - pad_left (a = r * dilation_h, b = s * dilation_w). Each input plane is
