@@ -7,10 +7,12 @@
 // band of output rows) the source planes are copied once into a zero-padded buffer of the
 // accumulation type whose columns are split into `stride` phases: every tap then reads a
 // contiguous run of columns, and the loops need no bounds checks. Pointwise passes (1x1 taps,
-// unit stride, no padding, NCHW planes of the accumulation type: run_pointwise) skip the copy:
-// the same sums run on the planes where they are. The wgrad reduces over
-// fixed slices of images into partial sums, then adds the slices in order, so results never
-// depend on the thread count. The inner loops live in conv_loops.inc, compiled for several
+// unit stride, no padding) skip the band copies: the same sums run on NCHW planes
+// (run_pointwise) or as a GEMM over channels-last pixels (run_pointwise_pixels), in place for
+// the accumulation type, a tile or run of pixels widened at a time for half types. The wgrad
+// reduces over fixed slices of images into partial sums, then adds the slices in order, so
+// results never depend on the thread count; a channels-last 1x1 wgrad is a GEMM over the
+// pixels (run_weight_gradient_pixels), in fixed slices of pixels added in order. The inner loops live in conv_loops.inc, compiled for several
 // instruction sets and chosen once at run time.
 #include <algorithm>
 #include <cstdint>
@@ -471,16 +473,29 @@ void run_stencil_direct(const StencilPass<T>& s) {
   });
 }
 
-// Whether the pass is pointwise on planes: 1x1 taps at unit stride with no padding (so every
-// output reads the source position it is at), source and output planes of unit column stride
-// with their rows back to back.
+// Whether an axis of a pass is pointwise: one tap at unit stride with no padding, so every
+// output reads the source position it is at.
+inline bool pointwise_axis(const StencilAxis& a) {
+  return a.taps == 1 && a.stride == 1 && a.upsample == 1 && a.pad == 0 && a.out == a.source;
+}
+
+// The bias in the accumulation type ([groups * out_per_group]), or empty where there is none.
+template <class T>
+std::vector<acc_t<T>> acc_bias(const StencilPass<T>& s) {
+  std::vector<acc_t<T>> bias;
+  if (s.bias) {
+    bias.resize(s.groups * s.out_per_group);
+    for (size_t k = 0; k < bias.size(); ++k) bias[k] = to_acc(s.bias[k]);
+  }
+  return bias;
+}
+
+// Whether the pass is pointwise on planes (both axes pointwise), source and output planes of
+// unit column stride with their rows back to back.
 template <class T>
 bool pointwise_planes(const StencilPass<T>& s) {
-  const auto unit = [](const StencilAxis& a) {
-    return a.taps == 1 && a.stride == 1 && a.upsample == 1 && a.pad == 0 && a.out == a.source;
-  };
-  return unit(s.rows) && unit(s.cols) && s.source_at.d == 1 && s.source_at.c == s.cols.source &&
-         s.out_at.d == 1 && s.out_at.c == s.cols.out;
+  return pointwise_axis(s.rows) && pointwise_axis(s.cols) && s.source_at.d == 1 &&
+         s.source_at.c == s.cols.source && s.out_at.d == 1 && s.out_at.c == s.cols.out;
 }
 
 // The pointwise pass (pointwise_planes): per (image, group), the output channels over runs of
@@ -551,18 +566,16 @@ void run_pointwise(const StencilPass<T>& s, const CpuLoops<A>& isa, const A* pac
   });
 }
 
-// Whether the pass is pointwise on channels-last pixels: 1x1 taps at unit stride with no
-// padding, source and output channels contiguous within a pixel and pixels evenly spaced across
+// Whether the pass is pointwise on channels-last pixels (both axes pointwise), source and
+// output channels contiguous within a pixel and pixels evenly spaced across
 // rows and images (so pixel p of the whole batch is at p times the pixel stride).
 template <class T>
 bool pointwise_pixels(const StencilPass<T>& s) {
-  const auto unit = [](const StencilAxis& a) {
-    return a.taps == 1 && a.stride == 1 && a.upsample == 1 && a.pad == 0 && a.out == a.source;
-  };
   const auto even = [&](const TensorStrides& t) {
     return t.b == 1 && t.c == s.cols.out * t.d && t.a == s.rows.out * t.c;
   };
-  return unit(s.rows) && unit(s.cols) && even(s.source_at) && even(s.out_at);
+  return pointwise_axis(s.rows) && pointwise_axis(s.cols) && even(s.source_at) &&
+         even(s.out_at);
 }
 
 // The channels-last pointwise pass (pointwise_pixels): per group, a GEMM of the batch's pixels
@@ -586,11 +599,7 @@ void run_pointwise_pixels(const StencilPass<T>& s) {
       for (int64_t o = 0; o < Og; ++o)
         packed[g * group_weights + (o / kb * Ig + i) * kb + o % kb] =
             to_acc(s.weights[s.weight_map.offset(g, o, i, 0, 0)]);
-  std::vector<A> bias;
-  if (s.bias) {
-    bias.resize(s.groups * Og);
-    for (size_t k = 0; k < bias.size(); ++k) bias[k] = to_acc(s.bias[k]);
-  }
+  const std::vector<A> bias = acc_bias(s);
   const int64_t pixels = s.N * s.rows.out * s.cols.out;
   const int64_t runs = ceil_div(pixels, kPixelsPerItem);
   const int64_t in_step = s.source_at.d, out_step = s.out_at.d;
@@ -732,11 +741,7 @@ void run_stencil_pass(const StencilPass<T>& s) {
               *w++ = to_acc(s.weights[s.weight_map.offset(g, o, i, r, c)]);
     }
   });
-  std::vector<A> bias;
-  if (s.bias) {
-    bias.resize(s.groups * Og);
-    for (size_t k = 0; k < bias.size(); ++k) bias[k] = to_acc(s.bias[k]);
-  }
+  const std::vector<A> bias = acc_bias(s);
   if (pointwise_planes(s)) {
     run_pointwise(s, isa, packed.data(), group_weights, s.bias ? bias.data() : nullptr);
     return;
@@ -1005,8 +1010,7 @@ void run_weight_gradient_pixels(const A* dy, const A* x, A* dw, const ConvProble
       PixelGradient<A> b{};
       b.x_step = p.C, b.channels = Ig, b.dy_step = p.K, b.filters = Og;
       b.partial = partial.data() + item * slice_elements, b.partial_pitch = pitch;
-      b.first = true;
-      if (p1 == p0) std::fill(b.partial, b.partial + slice_elements, A(0));
+      b.first = true;  // (an empty slice leaves its partial as constructed: zeros)
       for (int64_t c0 = p0; c0 < p1; c0 += kChunkPixels) {  // a chunk of pixels stays in cache
         b.x = x + c0 * p.C + g * Ig, b.dy = dy + c0 * p.K + g * Og;
         b.pixels = std::min(kChunkPixels, p1 - c0);
