@@ -433,12 +433,14 @@ def test_tensor_core_kernel_families_match_float64(monkeypatch, hopper, data_for
 # Hopper pointwise GEMM runs (implicit_gemm_sm90_pointwise.cuh): a narrow filter tile with bias,
 # a wide one whose dgrad reduces over several k-blocks with a short last one, the fewest channels
 # the tensor cores take (8) with filters off every tile, and enough tiles (196 wide ones) that the
-# persistent CTAs loop over several. Pixel counts are off the 128-row tile.
+# persistent CTAs loop over several, and ConvNeXt's 96 <-> 384 channels. Pixel counts are off the
+# 128-row tile.
 POINTWISE_GEOMETRIES = [
     ((2, 64, 14, 15), (64, 64, 1, 1), {}, True),
     ((3, 32, 17, 19), (256, 32, 1, 1), {}, True),
     ((2, 8, 9, 7), (24, 8, 1, 1), {}, False),
     ((4, 64, 56, 56), (256, 64, 1, 1), {}, True),
+    ((2, 96, 15, 17), (384, 96, 1, 1), {}, True),
 ]
 
 

@@ -75,6 +75,9 @@ def main() -> None:
                           (json.loads(line) for line in out.stdout.splitlines()
                            if line.startswith("{"))}
         print(f"# {label}: {len(results[label])} cases", file=sys.stderr, flush=True)
+        for case, ms in results[label].items():  # kept if a later variant is cut off
+            print(f"#   {label} {json.dumps({'case': case, 'ms': ms})}", file=sys.stderr,
+                  flush=True)
     labels = list(results)
     first = results[labels[0]]
     print(f"{'case':72s} " + " ".join(f"{label[:9]:>9s}" for label in labels)

@@ -205,14 +205,8 @@ ffi::Error fprop_run(const NhwcConv& c, cudaStream_t stream) {
   typename Config::Device::Arguments args;
   if (!fprop_checked_arguments<Config>(c, &args))
     return ffi::Error::Internal(describe(c, "rejects"));
-  typename Config::Device op;
-  // initialize builds the TMA descriptors on the host and sets the kernel's shared memory
-  // size; no workspace (checked above), so nothing touches the stream before run.
-  if (op.initialize(args, nullptr, stream) != cutlass::Status::kSuccess)
-    return ffi::Error::Internal(describe(c, "initialize failed"));
-  if (op.run(stream) != cutlass::Status::kSuccess)
-    return ffi::Error::Internal(describe(c, "launch failed"));
-  return launch_status("conv2d (CUTLASS sm90)");
+  return run_adapter<typename Config::Device>(
+      args, stream, [&](const char* what) { return describe(c, what); }, "conv2d (CUTLASS sm90)");
 }
 
 template <Math M, class F>

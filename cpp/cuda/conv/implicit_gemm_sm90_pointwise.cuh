@@ -21,7 +21,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <type_traits>
 
+#include "common/knobs.h"
 #include "common/status.h"
 #include "conv/implicit_gemm_kernels.h"
 #include "conv/implicit_gemm_sm90_common.cuh"
@@ -45,41 +47,65 @@ namespace sm90 {
 using namespace cute;
 
 // The tile table. K extent 128 bytes of elements (64 half, 32 float), as the conv kernel's; N
-// extent 64 filters (narrow: at most 64 output channels) or 128 (wide); 128 pixels. Pingpong
-// schedule: each of the two consumer warpgroups takes its own tile, so that one's epilogue runs
-// beside the other's MMAs, while the producer warp loads ahead for both. Measured against the
-// cooperative schedule (both warpgroups on one 128-row tile) on the sweep's channels-last 1x1
-// and stem rows (H200, 2026-11-28, 10 calls in one jit, each schedule in its own process):
-// 0.89-1.04x its time, 0.89-0.93x on the three bf16 rows with the shortest reductions or the
-// widest outputs. The pipeline gets the stages left beside the epilogue's staging.
-template <Math M, TileClass kClass>
-struct PointwiseConfig {
+// extent 64 filters (narrow: at most 64 output channels) or 128 (wide). Two shapes of CTA:
+// - 128 pixels on the pingpong schedule: each of the two consumer warpgroups takes its own tile,
+//   so that one's epilogue runs beside the other's MMAs, while the producer warp loads ahead for
+//   both. Measured against the cooperative schedule on 128 pixels (both warpgroups on one tile)
+//   on the sweep's channels-last 1x1 and stem rows (H200, 2026-11-28, run 28, 10 calls in one
+//   jit, each schedule in its own process): 0.89-1.04x its time.
+// - "Tall": 256 pixels on the cooperative schedule (each warpgroup 128 of them), for half types
+//   with a reduction of at most kTallMaxChannels: twice the bytes per tile, so half the tiles'
+//   fixed costs (their scheduling, pipeline and epilogue setup), which weigh most where a tile's
+//   reduction is one or two k-blocks. Measured against the pingpong tile (H200, 2026-11-28, run
+//   29, bf16 NHWC N32 56^2, 10 calls in one jit, each in its own process): 0.88-0.92x the time
+//   with reductions of 64 or 96 channels (1x1 64->256 and 96->384 forwards, 256->64 dgrad),
+//   0.95x on 384->96's dgrad, 0.92-1.00x over 256 channels, 1.01-1.05x over 384 (so not
+//   there). Float32 (TF32) rows are level with cuDNN on the pingpong tile and were not measured
+//   tall.
+// The result is the same either way: every output tile is one CTA's whole reduction in k order,
+// whatever its rows (tested against the conv kernel's bits). The pipeline gets the stages left
+// beside the epilogue's staging.
+template <Math M, int kTileM, int kTileN_, bool kCooperative = false>
+struct PointwiseGemm {
   using E = typename Element<M>::type;
   static constexpr int kTileK = 128 / int(sizeof(E));
-  static constexpr int kTileN = kClass == TileClass::kWide ? 128 : 64;
-  using TileShape = Shape<_128, Int<kTileN>, Int<kTileK>>;
+  static constexpr int kTileN = kTileN_;
+  using TileShape = Shape<Int<kTileM>, Int<kTileN>, Int<kTileK>>;
   using ClusterShape = Shape<_1, _1, _1>;
   static constexpr int kAlignment = 128 / cutlass::sizeof_bits<E>::value;
   using LayoutA = cutlass::layout::RowMajor;     // a [pixels][C]
   using LayoutB = cutlass::layout::ColumnMajor;  // b [K][C]: K x C with C contiguous
   using LayoutD = cutlass::layout::RowMajor;     // d [pixels][K]
+  using EpilogueSchedule =
+      std::conditional_t<kCooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
+                         cutlass::epilogue::TmaWarpSpecialized>;
+  using MainloopSchedule =
+      std::conditional_t<kCooperative, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                         cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
   // D = acc + bias[k] (the bias pointer may be null: then nothing is added), no source tensor:
   // the conv kernel's epilogue operation.
   using Fusion = cutlass::epilogue::fusion::LinCombPerColBias<E, float, E, E, float>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, kAlignment, E,
-      LayoutD, kAlignment, cutlass::epilogue::TmaWarpSpecialized, Fusion>::CollectiveOp;
+      cutlass::epilogue::collective::EpilogueTileAuto,
+      float, float, void, LayoutD, kAlignment, E, LayoutD, kAlignment, EpilogueSchedule,
+      Fusion>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, E, LayoutA, kAlignment, E, LayoutB,
       kAlignment, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
+      MainloopSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue,
                                                       cutlass::gemm::PersistentScheduler>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
+
+template <Math M, TileClass kClass>
+using PointwiseConfig = PointwiseGemm<M, 128, kClass == TileClass::kWide ? 128 : 64>;
+template <Math M, TileClass kClass>
+using PointwiseTallConfig = PointwiseGemm<M, 256, kClass == TileClass::kWide ? 128 : 64, true>;
+constexpr int kTallMaxChannels = 256;
 
 // The problems the GEMM takes: an fprop of 1x1 taps, unit stride, no padding (so the output
 // pixels are the input pixels), packed NHWC output, no split; channel and filter counts on the
@@ -140,18 +166,20 @@ ffi::Error pointwise_launch(const NhwcConv& c, cudaStream_t stream) {
   typename Config::Device::Arguments args;
   if (!pointwise_checked_arguments<Config>(c, &args))
     return ffi::Error::Internal(describe_pointwise(c, "rejects"));
-  typename Config::Device op;
-  // No workspace (checked above): initialize builds the TMA descriptors on the host and sets the
-  // kernel's shared memory size; nothing touches the stream before run.
-  if (op.initialize(args, nullptr, stream) != cutlass::Status::kSuccess)
-    return ffi::Error::Internal(describe_pointwise(c, "initialize failed"));
-  if (op.run(stream) != cutlass::Status::kSuccess)
-    return ffi::Error::Internal(describe_pointwise(c, "launch failed"));
-  return launch_status("conv2d (CUTLASS sm90 pointwise GEMM)");
+  return run_adapter<typename Config::Device>(
+      args, stream, [&](const char* what) { return describe_pointwise(c, what); },
+      "conv2d (CUTLASS sm90 pointwise GEMM)");
 }
 
 template <Math M, class F>
 auto with_pointwise(const NhwcConv& c, F&& f) {
+  if constexpr (M != Math::kTF32) {
+    // JAX_KERNELS_CONV_POINTWISE_TALL=0 keeps the 128-pixel tile (for A/B measurements).
+    if (c.C <= kTallMaxChannels && !knob_off("JAX_KERNELS_CONV_POINTWISE_TALL"))
+      return c.tile == TileClass::kWide
+                 ? f(TypeTag<PointwiseTallConfig<M, TileClass::kWide>>{})
+                 : f(TypeTag<PointwiseTallConfig<M, TileClass::kNarrow>>{});
+  }
   return c.tile == TileClass::kWide ? f(TypeTag<PointwiseConfig<M, TileClass::kWide>>{})
                                     : f(TypeTag<PointwiseConfig<M, TileClass::kNarrow>>{});
 }
