@@ -199,7 +199,7 @@ def test_half_conversions_are_exact(isa):
 # Channels-last weight gradients stage their planes differently (tiles transposed in registers
 # at any stride, where NCHW copies rows) into the same buffers: the same bits as NCHW's on the
 # same data. Shapes with whole and partial 16-channel tiles, groups, dilation, stride and
-# padding. (1x1 unit-stride unpadded ones in float32 / float64 are a GEMM over the pixels
+# padding. (1x1 unit-stride unpadded ones are a GEMM over the pixels
 # instead, in another order: DENSE checks them against float64 torch.)
 CHANNELS_LAST_WGRAD = [
     ((2, 20, 9, 11), (18, 20, 3, 3), dict(padding=1)),

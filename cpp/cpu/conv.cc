@@ -12,8 +12,9 @@
 // the accumulation type, a tile or run of pixels widened at a time for half types. The wgrad
 // reduces over fixed slices of images into partial sums, then adds the slices in order, so
 // results never depend on the thread count; a channels-last 1x1 wgrad is a GEMM over the
-// pixels (run_weight_gradient_pixels), in fixed slices of pixels added in order. The inner loops live in conv_loops.inc, compiled for several
-// instruction sets and chosen once at run time.
+// pixels (run_weight_gradient_pixels), in fixed slices of pixels added in order, in place for
+// the accumulation type, a chunk of pixels widened at a time for half types. The inner loops
+// live in conv_loops.inc, compiled for several instruction sets and chosen once at run time.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -981,10 +982,11 @@ void run_weight_gradient_direct(const T* dy, const T* x, T* dw, const ConvProble
 }
 
 // The channels-last 1x1 weight gradient at unit stride without padding (every output pixel
-// reads the input pixel it is at), float32 / float64: per group a GEMM of x's pixels by dy's,
-// dw[c][k] = sum over pixels of x[p][c] * dy[p][k], both read in place. The batch's pixels go in
-// slices of at most kSlicePixels (a count the shape fixes), each slice's sums in pixel order in
-// a float partial of its own, then the slices are added in order: the thread count never
+// reads the input pixel it is at): per group a GEMM of x's pixels by dy's, dw[c][k] = sum over
+// pixels of x[p][c] * dy[p][k], both read in place in float32 / float64, and in half types
+// widened to float a chunk of pixels at a time. The batch's pixels go in slices of at most
+// kSlicePixels (a count the shape fixes), each slice's sums in pixel order in a partial of the
+// accumulation type of its own, then the slices are added in order: the thread count never
 // changes a result.
 bool pixel_weight_gradient(const ConvProblem& p) {
   return p.layout == ConvLayout::kNHWC && p.R == 1 && p.S == 1 &&
@@ -992,8 +994,10 @@ bool pixel_weight_gradient(const ConvProblem& p) {
          p.P == p.H && p.Q == p.W;
 }
 
-template <class A>
-void run_weight_gradient_pixels(const A* dy, const A* x, A* dw, const ConvProblem& p) {
+template <class T>
+void run_weight_gradient_pixels(const T* dy, const T* x, T* dw, const ConvProblem& p) {
+  using A = acc_t<T>;
+  constexpr bool kInPlace = std::is_same_v<T, A>;
   constexpr int64_t kSlicePixels = 2048, kChunkPixels = 128;
   const CpuLoops<A>& isa = loops<A>();
   const int64_t Og = p.filters_per_group(), Ig = p.channels_per_group(), G = p.groups;
@@ -1004,16 +1008,28 @@ void run_weight_gradient_pixels(const A* dy, const A* x, A* dw, const ConvProble
   const int64_t slice_elements = Ig * pitch;
   std::vector<A> partial(G * slices * slice_elements);
   parallel_for(G * slices, 1, [&](int64_t begin, int64_t end) {
+    std::vector<A> x_chunk, dy_chunk;  // half types: a chunk's pixels of the group, widened
+    if constexpr (!kInPlace) x_chunk.resize(kChunkPixels * Ig), dy_chunk.resize(kChunkPixels * Og);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / slices, s = item % slices;
       const int64_t p0 = std::min(pixels, s * per_slice), p1 = std::min(pixels, p0 + per_slice);
       PixelGradient<A> b{};
-      b.x_step = p.C, b.channels = Ig, b.dy_step = p.K, b.filters = Og;
+      b.channels = Ig, b.filters = Og;
       b.partial = partial.data() + item * slice_elements, b.partial_pitch = pitch;
       b.first = true;  // (an empty slice leaves its partial as constructed: zeros)
       for (int64_t c0 = p0; c0 < p1; c0 += kChunkPixels) {  // a chunk of pixels stays in cache
-        b.x = x + c0 * p.C + g * Ig, b.dy = dy + c0 * p.K + g * Og;
         b.pixels = std::min(kChunkPixels, p1 - c0);
+        const T* xs = x + c0 * p.C + g * Ig;
+        const T* dys = dy + c0 * p.K + g * Og;
+        if constexpr (kInPlace) {
+          b.x = xs, b.x_step = p.C, b.dy = dys, b.dy_step = p.K;
+        } else {
+          for (int64_t q = 0; q < b.pixels; ++q) {
+            widen_row(isa, xs + q * p.C, 1, x_chunk.data() + q * Ig, Ig);
+            widen_row(isa, dys + q * p.K, 1, dy_chunk.data() + q * Og, Og);
+          }
+          b.x = x_chunk.data(), b.x_step = Ig, b.dy = dy_chunk.data(), b.dy_step = Og;
+        }
         isa.pixel_gradient(b);
         b.first = false;
       }
@@ -1027,7 +1043,7 @@ void run_weight_gradient_pixels(const A* dy, const A* x, A* dw, const ConvProble
         A sum = partial[(g * slices) * slice_elements + c * pitch + o];
         for (int64_t s = 1; s < slices; ++s)
           sum += partial[(g * slices + s) * slice_elements + c * pitch + o];
-        dw[c * p.K + g * Og + o] = sum;
+        dw[c * p.K + g * Og + o] = from_acc<T>(sum);
       }
     }
   });
@@ -1040,9 +1056,7 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   const int64_t Kg = p.filters_per_group(), Cg = p.channels_per_group(), RS = p.R * p.S;
   const int64_t weights = p.K * Cg * RS;
   if (weights == 0) return;
-  if constexpr (std::is_same_v<T, A>) {
-    if (pixel_weight_gradient(p)) return run_weight_gradient_pixels(dy, x, dw, p);
-  }
+  if (pixel_weight_gradient(p)) return run_weight_gradient_pixels(dy, x, dw, p);
   const int64_t L = isa.lanes;
   // Output (p, q) reads, at tap (r, s), x row p * stride_h + a - pad_top and column
   // q * stride_w + b - pad_left (a = r * dilation_h, b = s * dilation_w). Each input plane is

@@ -1,7 +1,7 @@
 // What the Hopper (sm_90a) CUTLASS 3.x kernels of the tensor-core conv2d path share: their
-// element types, the SM count their arguments carry and the launch of a device adapter. Included by the implicit-GEMM conv
-// kernels (implicit_gemm_sm90.cuh) and by the pointwise GEMM (implicit_gemm_sm90_pointwise.cuh),
-// which build in separate translation units (see the latter).
+// element types, the SM count their arguments carry and the launch of a device adapter.
+// Included by the implicit-GEMM conv kernels (implicit_gemm_sm90.cuh) and by the pointwise GEMM
+// (implicit_gemm_sm90_pointwise.cuh), which build in separate translation units (see the latter).
 #pragma once
 
 #include <cuda_runtime.h>
