@@ -272,6 +272,16 @@ void widen_row(const CpuLoops<A>& isa, const T* src, int64_t stride, A* dst, int
   for (int64_t j = 0; j < n; ++j) dst[j] = to_acc(src[j * stride]);
 }
 
+// dst[p * channels + c] = to_acc(src[p * step + c]) for `count` pixels of `channels` each (one
+// widen_row where the pixels are back to back).
+template <class T, class A>
+void widen_pixels(const CpuLoops<A>& isa, const T* src, int64_t step, int64_t channels,
+                  int64_t count, A* dst) {
+  if (step == channels) return widen_row(isa, src, 1, dst, count * channels);
+  for (int64_t p = 0; p < count; ++p)
+    widen_row(isa, src + p * step, 1, dst + p * channels, channels);
+}
+
 // dst[0, n) = from_acc<T>(src[0, n)), likewise.
 template <class T, class A>
 void narrow_row(const CpuLoops<A>& isa, const A* src, T* dst, int64_t n) {
@@ -619,12 +629,7 @@ void run_pointwise_pixels(const StencilPass<T>& s) {
         isa.pointwise_pixels(b);
       } else {
         ThreadScratch<A> staged(0, count * Ig), results(1, count * Og);
-        if (in_step == Ig) {
-          widen_row(isa, x, 1, staged.data(), count * Ig);
-        } else {
-          for (int64_t p = 0; p < count; ++p)
-            widen_row(isa, x + p * in_step, 1, staged.data() + p * Ig, Ig);
-        }
+        widen_pixels(isa, x, in_step, Ig, count, staged.data());
         b.x = staged.data(), b.x_step = Ig, b.out = results.data(), b.out_step = Og;
         isa.pointwise_pixels(b);
         if (out_step == Og) {
@@ -1008,8 +1013,9 @@ void run_weight_gradient_pixels(const T* dy, const T* x, T* dw, const ConvProble
   const int64_t slice_elements = Ig * pitch;
   std::vector<A> partial(G * slices * slice_elements);
   parallel_for(G * slices, 1, [&](int64_t begin, int64_t end) {
-    std::vector<A> x_chunk, dy_chunk;  // half types: a chunk's pixels of the group, widened
-    if constexpr (!kInPlace) x_chunk.resize(kChunkPixels * Ig), dy_chunk.resize(kChunkPixels * Og);
+    // Half types: a chunk's pixels of the group, widened.
+    ThreadScratch<A> x_chunk(0, kInPlace ? 0 : kChunkPixels * Ig);
+    ThreadScratch<A> dy_chunk(1, kInPlace ? 0 : kChunkPixels * Og);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / slices, s = item % slices;
       const int64_t p0 = std::min(pixels, s * per_slice), p1 = std::min(pixels, p0 + per_slice);
@@ -1024,10 +1030,8 @@ void run_weight_gradient_pixels(const T* dy, const T* x, T* dw, const ConvProble
         if constexpr (kInPlace) {
           b.x = xs, b.x_step = p.C, b.dy = dys, b.dy_step = p.K;
         } else {
-          for (int64_t q = 0; q < b.pixels; ++q) {
-            widen_row(isa, xs + q * p.C, 1, x_chunk.data() + q * Ig, Ig);
-            widen_row(isa, dys + q * p.K, 1, dy_chunk.data() + q * Og, Og);
-          }
+          widen_pixels(isa, xs, p.C, Ig, b.pixels, x_chunk.data());
+          widen_pixels(isa, dys, p.K, Og, b.pixels, dy_chunk.data());
           b.x = x_chunk.data(), b.x_step = Ig, b.dy = dy_chunk.data(), b.dy_step = Og;
         }
         isa.pixel_gradient(b);
