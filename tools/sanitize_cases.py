@@ -164,7 +164,8 @@ def conv2d_nhwc_cases(dtype):
     # Hopper's split wgrad, filters large enough for the weights' tiled transpose (one group
     # and two, padded filters and channels, the im2col route), and 1x1 stride-1 convolutions,
     # whose forward and dgrad run Hopper's pointwise GEMM (a narrow tile; a wide one with
-    # filters and pixels off the tile, its dgrad over three k-blocks, the last short).
+    # filters and pixels off the tile, its dgrad over three k-blocks, the last short) and
+    # wgrad its pointwise wgrad GEMM.
     for x_shape, w_shape, options in (
             ((2, 9, 9, 16), (3, 3, 16, 16), dict(padding=1)),
             ((2, 11, 10, 16), (3, 3, 16, 32), dict(stride=2, padding=1)),
@@ -189,7 +190,14 @@ def conv2d_nhwc_cases(dtype):
             # slices than the ordered sum's 8 runs (slice_sum.cuh), the last run short.
             ((8, 15, 15, 64), (3, 3, 64, 72), dict(padding=1)),
             ((4, 12, 13, 64), (3, 3, 64, 40), dict(padding=2, dilation=2)),
-            ((16, 24, 23, 64), (3, 3, 64, 64), dict(padding=1))):
+            ((16, 24, 23, 64), (3, 3, 64, 64), dict(padding=1)),
+            # Hopper's pointwise wgrad GEMM: in float32 6 slices of 660 pixels, which end mid
+            # k-block, filters as the GEMM's rows, then channels as its rows; in half types 3
+            # slices, 96 channels under 192 filters, then 160 channels over 32 filters.
+            ((4, 30, 33, 64), (1, 1, 64, 128), dict()),
+            ((4, 30, 33, 128), (1, 1, 128, 64), dict()),
+            ((4, 30, 33, 96), (1, 1, 96, 192), dict()),
+            ((4, 30, 33, 160), (1, 1, 160, 32), dict())):
         x, w, b = rand(*x_shape, dtype=dtype), rand(*w_shape, dtype=dtype), rand(w_shape[-1], dtype=dtype)
         conv_grad = jax.grad(lambda x, w, b: jnp.sum(
             jk.conv2d(x, w, b, data_format="NHWC", **options).astype(jnp.float32)), argnums=(0, 1, 2))

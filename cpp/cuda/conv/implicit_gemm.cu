@@ -165,6 +165,25 @@ ffi::Error run(Math math, const NhwcConv& conv, cudaStream_t stream) {
     default: return ffi::Error::Internal("conv2d: no Hopper kernel for float32x3");
   }
 }
+
+// The Hopper pointwise wgrad GEMM (plan_pointwise_wgrad) in the math mode, where it has one.
+bool pointwise_wgrad_can_implement(Math math, const NhwcConv& conv) {
+  switch (math) {
+    case Math::kFloat16: return implicit_gemm::sm90_pointwise_wgrad_can_implement<Math::kFloat16>(conv);
+    case Math::kBFloat16: return implicit_gemm::sm90_pointwise_wgrad_can_implement<Math::kBFloat16>(conv);
+    case Math::kTF32: return implicit_gemm::sm90_pointwise_wgrad_can_implement<Math::kTF32>(conv);
+    default: return false;
+  }
+}
+
+ffi::Error pointwise_wgrad_run(Math math, const NhwcConv& conv, cudaStream_t stream) {
+  switch (math) {
+    case Math::kFloat16: return implicit_gemm::sm90_pointwise_wgrad_run<Math::kFloat16>(conv, stream);
+    case Math::kBFloat16: return implicit_gemm::sm90_pointwise_wgrad_run<Math::kBFloat16>(conv, stream);
+    case Math::kTF32: return implicit_gemm::sm90_pointwise_wgrad_run<Math::kTF32>(conv, stream);
+    default: return ffi::Error::Internal("conv2d: no Hopper kernel for float32x3");
+  }
+}
 #endif
 
 template <class Problem>
@@ -212,6 +231,11 @@ struct Plan {
   // the same scratch regions (the phases' filters together are the weights' size).
   bool phase_dgrad = false;
   dgrad_phases::Phases phases{};
+  // kNhwc wgrad of 1x1 taps, unit stride and no padding read in place (plan_pointwise_wgrad): on
+  // Hopper the pointwise wgrad GEMM (implicit_gemm_sm90_pointwise_wgrad.cuh) runs over this many
+  // equal slices of the pixels instead of the split-K conv kernels, in the same scratch regions,
+  // which the plan sizes for both on every device. 0: not taken.
+  int64_t pointwise_wgrad_slices = 0;
   // Scratch regions (byte offsets from the 256-byte aligned base) and the bytes to ask for.
   int64_t offset[4] = {0, 0, 0, 0};
   int64_t bytes = -1;
@@ -335,6 +359,34 @@ bool plan_gemm(const ConvQuery& query, Plan* plan) {
   if (!can_implement(plan->math, g)) return false;
   plan->route = Route::kGemm;
   return true;
+}
+
+// The pointwise wgrad GEMM's slices of the pixels (plan->pointwise_wgrad_slices): a channels-last
+// wgrad of 1x1 taps at unit stride without padding, read in place, in a math mode the Hopper
+// kernels have; in TF32 only where its column tiles are full (measured in run 30, H200, N32
+// 56^2: 96 columns on its 128-wide tile, 96->384 and 384->96, took 1.03-1.10x the Sm80
+// kernel's time, while full tiles took 0.48-0.67x or the same). Equal slices (the GEMM's
+// batches): the most that divide the pixels, at most one wave of output tiles over the nominal
+// SMs, kMaxSplitK, and slices of kMinKIterationsPerSlice k-blocks or more. 0 (not taken: the
+// split-K conv kernels run it) where that leaves fewer than half the slices those bounds allow.
+// Host-only and independent of the device, like the rest of the plan (half types take it where
+// the Hopper half wgrad does not: run_nhwc_route).
+int64_t plan_pointwise_wgrad(const ConvProblem& p, const Plan& plan) {
+  if (!plan.in_place || !sm90_math(plan.math) || p.R != 1 || p.S != 1 || p.stride_h != 1 ||
+      p.stride_w != 1 || p.pad_top != 0 || p.pad_left != 0 || p.P != p.H || p.Q != p.W)
+    return 0;
+  const int64_t pixels = p.N * p.H * p.W;
+  if (pixels <= 0 || pixels > INT_MAX) return 0;
+  const implicit_gemm::PointwiseWgradTiling t = implicit_gemm::pointwise_wgrad_tiling(p.K, p.C);
+  if (plan.math == Math::kTF32 && std::min(p.K, p.C) % (t.wide ? 128 : 64) != 0) return 0;
+  const int64_t k_block = 128 / plan.element_bytes;
+  const int64_t bound =
+      std::min({std::max<int64_t>(1, kNominalSms / t.tiles), kMaxSplitK,
+                std::max<int64_t>(1, pixels / (kMinKIterationsPerSlice * k_block))});
+  int64_t slices = 1;
+  for (int64_t d = 2; d <= bound; ++d)
+    if (pixels % d == 0) slices = d;
+  return 2 * slices < bound ? 0 : slices;
 }
 
 // wgrad's split-K: slices of the N*P*Q reduction (`positions`) so that about two blocks per SM
@@ -575,6 +627,8 @@ bool plan_nhwc(const ConvQuery& query, Plan* plan) {
         x_region = std::max(x_region, checked_product({w.Nb, p.C, p.H, p.W, 4}));
         slices = std::max<int64_t>(slices, w.split);
       }
+      plan->pointwise_wgrad_slices = plan_pointwise_wgrad(p, *plan);
+      slices = std::max(slices, plan->pointwise_wgrad_slices);
       if (!lay_out_scratch(plan,
                            {dy_region, x_region, checked_product({G, slices, w_elements, 4})}))
         return false;
@@ -1834,7 +1888,7 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
       // The kernels' split and partials' order, which the reduction below follows.
       int64_t slices = c.split_k;
       WgradOrder order = c.wgrad_order;
-      bool batch_inner = false;
+      bool batch_inner = false, pointwise = false;
 #if defined(JAX_KERNELS_HAVE_SM90_CONV)
       batch_inner = plan.batch_inner && hopper_kernels();
       if (batch_inner) {
@@ -1854,8 +1908,27 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
         }
         slices = w.split, order = w.order;
       }
+      // A 1x1 channels-last wgrad on Hopper: the pointwise wgrad GEMM over equal slices of the
+      // pixels (plan_pointwise_wgrad) in place of the Sm80 kernel (TF32, and half types whose
+      // channels the Hopper half wgrad's 64-wide tiles do not divide: bf16 96->384 at N32 56^2
+      // took 0.037 ms against 0.077, run 30), unless JAX_KERNELS_CONV_POINTWISE_WGRAD=0 (kept
+      // for A/B measurements) or it refuses the pointers; its partials are in HWIO order.
+      if (!batch_inner && plan.pointwise_wgrad_slices > 0 && !c.sm90 && hopper_kernels() &&
+          !knob_off("JAX_KERNELS_CONV_POINTWISE_WGRAD")) {
+        NhwcConv pw = c;
+        pw.sm90 = true;
+        pw.split_k = int(plan.pointwise_wgrad_slices);
+        pw.wgrad_order = WgradOrder::kRSCK;
+        pw.a = a, pw.b = b, pw.d = partials;
+        if (pointwise_wgrad_can_implement(plan.math, pw)) {
+          pointwise = true;
+          if (has(steps, kImplicitGemmCutlass))
+            if (ffi::Error e = pointwise_wgrad_run(plan.math, pw, stream); e.failure()) return e;
+          slices = pw.split_k, order = WgradOrder::kRSCK;
+        }
+      }
 #endif
-      if (!batch_inner) {
+      if (!batch_inner && !pointwise) {
         if (has(steps, kImplicitGemmLayoutIn) && !in_place) {
           ffi::Error e =
               hwio ? launch_layout<Bits>(

@@ -172,5 +172,31 @@ bool sm90_pointwise_can_implement(const NhwcConv& conv);
 template <Math M>
 ffi::Error sm90_pointwise_run(const NhwcConv& conv, cudaStream_t stream);
 
+// The Hopper pointwise weight gradient (implicit_gemm_sm90_pointwise_wgrad.cuh; float16, bfloat16,
+// TF32): a kWgrad of 1x1 taps, unit stride and no padding on channels-last tensors read in place,
+// as one persistent GEMM batched over `split_k` equal slices of the pixels (which the split must
+// divide), each writing a float32 partial in HWIO order (wgrad_order kRSCK). Its tiling is host
+// arithmetic, here, so that the planner's split is the same on every device and build: the GEMM's
+// rows (128 a tile) are the larger of the filters and the channels, its columns the other, 64 a
+// tile where they are at most 64, else 128.
+struct PointwiseWgradTiling {
+  bool channels_as_rows = false;  // rows are the channels (more channels than filters)
+  bool wide = false;              // 128 columns a tile, else 64
+  int64_t tiles = 0;              // output tiles of one slice
+};
+inline PointwiseWgradTiling pointwise_wgrad_tiling(int64_t K, int64_t C) {
+  PointwiseWgradTiling t;
+  t.channels_as_rows = C > K;
+  const int64_t rows = t.channels_as_rows ? C : K, cols = t.channels_as_rows ? K : C;
+  t.wide = cols > 64;
+  const int64_t tile_cols = t.wide ? 128 : 64;
+  t.tiles = (rows + 127) / 128 * ((cols + tile_cols - 1) / tile_cols);
+  return t;
+}
+template <Math M>
+bool sm90_pointwise_wgrad_can_implement(const NhwcConv& conv);
+template <Math M>
+ffi::Error sm90_pointwise_wgrad_run(const NhwcConv& conv, cudaStream_t stream);
+
 }  // namespace implicit_gemm
 }  // namespace jax_kernels

@@ -61,7 +61,7 @@ using namespace cute;
 //   with reductions of 64 or 96 channels (1x1 64->256 and 96->384 forwards, 256->64 dgrad),
 //   0.95x on 384->96's dgrad, 0.92-1.00x over 256 channels, 1.01-1.05x over 384 (so not
 //   there). Float32 (TF32) rows are level with cuDNN on the pingpong tile and were not measured
-//   tall.
+//   tall. Only where the tall tiles fill the SMs' waves as well (tall_fills_waves).
 // The result is the same either way: every output tile is one CTA's whole reduction in k order,
 // whatever its rows (tested against the conv kernel's bits). The pipeline gets the stages left
 // beside the epilogue's staging.
@@ -171,11 +171,25 @@ ffi::Error pointwise_launch(const NhwcConv& c, cudaStream_t stream) {
       "conv2d (CUTLASS sm90 pointwise GEMM)");
 }
 
+// Whether tall tiles fill the SMs as well as the pingpong ones: a pingpong CTA's two warpgroups
+// take turns on its tiles, so a CTA's time goes as the 128-pixel tiles it gets, a tall CTA's as
+// twice the 256-pixel ones. Tall where its busiest CTA has no more rows than the pingpong one's
+// (equal on the sweep's 56^2 rows); e.g. 1x1 1024->256's dgrad at N32 14^2 (6272 pixels, 1024
+// filters: 200 tall tiles, 392 pingpong ones on 132 SMs) keeps pingpong, 3 tiles a CTA against
+// 2 tall ones of twice the rows. The SM count picks a tile, never a result (same bits).
+inline bool tall_fills_waves(const NhwcConv& c, TileClass tile) {
+  const int64_t pixels = int64_t(c.N) * c.H * c.W, sms = sm_count();
+  const int64_t columns = ceil_div(int64_t(c.K), tile == TileClass::kWide ? 128 : 64);
+  const int64_t tall = ceil_div(pixels, 256) * columns, pingpong = ceil_div(pixels, 128) * columns;
+  return 2 * ceil_div(tall, sms) <= ceil_div(pingpong, sms);
+}
+
 template <Math M, class F>
 auto with_pointwise(const NhwcConv& c, F&& f) {
   if constexpr (M != Math::kTF32) {
     // JAX_KERNELS_CONV_POINTWISE_TALL=0 keeps the 128-pixel tile (for A/B measurements).
-    if (c.C <= kTallMaxChannels && !knob_off("JAX_KERNELS_CONV_POINTWISE_TALL"))
+    if (c.C <= kTallMaxChannels && tall_fills_waves(c, c.tile) &&
+        !knob_off("JAX_KERNELS_CONV_POINTWISE_TALL"))
       return c.tile == TileClass::kWide
                  ? f(TypeTag<PointwiseTallConfig<M, TileClass::kWide>>{})
                  : f(TypeTag<PointwiseTallConfig<M, TileClass::kNarrow>>{});
