@@ -478,11 +478,11 @@ def test_pointwise_gemm_matches_float64(monkeypatch, dtype, geometry):
 # equal slices of the pixels (implicit_gemm_sm90_pointwise_wgrad.cuh, plan_pointwise_wgrad in
 # implicit_gemm.cu) in float32 where its column tiles are full, and in half types where the
 # channels are off the Hopper half wgrad's 64-wide tiles. Float32: filters as the GEMM's rows
-# and channels as its rows, narrow (64) and wide (128) column tiles, 16 slices whose pixels end
-# mid k-block, 4 and 32 slices of whole k-blocks, one slice off the k-block. Half types: 96, 40
-# and 32 channels under more filters (rows), 160 channels over 32 filters (channels as rows).
-# The other rows check the conv kernels that keep the rest (96 <-> 384 and 200 x 40 in float32,
-# 53^2 pixels, whose divisors leave too few slices in float32).
+# and channels as its rows, column tiles of 64, 96 (96 <-> 384) and 128, 16 slices whose pixels
+# end mid k-block, 4 and 32 slices of whole k-blocks, one slice off the k-block. Half types: 96,
+# 40 and 32 channels under more filters (rows), 160 channels over 32 filters (channels as
+# rows). The other rows check the conv kernels that keep the rest (200 x 40 in float32, 53^2
+# pixels, whose divisors leave too few slices in float32).
 POINTWISE_WGRAD_GEOMETRIES = [
     ((4, 64, 56, 56), (256, 64, 1, 1), {}, False),
     ((4, 256, 28, 28), (64, 256, 1, 1), {}, False),

@@ -34,7 +34,9 @@
 // (one group, unpadded channels) from its epilogue, with no transpose after it. A Hopper fprop
 // of 1x1 taps, unit stride and no padding with a packed NHWC output (channels-last 1x1
 // forwards and unit-stride dgrads, the im2col route's problem over its columns) runs as one
-// persistent GEMM over the pixels instead (implicit_gemm_sm90_pointwise.cuh; run_hopper).
+// persistent GEMM over the pixels instead (implicit_gemm_sm90_pointwise.cuh; run_hopper), and
+// a channels-last 1x1 wgrad of that kind as one batched over equal slices of the pixels
+// (implicit_gemm_sm90_pointwise_wgrad.cuh; plan_pointwise_wgrad) where the Sm80 kernel would.
 // Every pass is bitwise reproducible: no atomics anywhere, split-K partials go to separate
 // buffers and are summed in a fixed order.
 //
@@ -363,9 +365,10 @@ bool plan_gemm(const ConvQuery& query, Plan* plan) {
 
 // The pointwise wgrad GEMM's slices of the pixels (plan->pointwise_wgrad_slices): a channels-last
 // wgrad of 1x1 taps at unit stride without padding, read in place, in a math mode the Hopper
-// kernels have; in TF32 only where its column tiles are full (measured in run 30, H200, N32
-// 56^2: 96 columns on its 128-wide tile, 96->384 and 384->96, took 1.03-1.10x the Sm80
-// kernel's time, while full tiles took 0.48-0.67x or the same). Equal slices (the GEMM's
+// kernels have; in TF32 only where its column tiles are full (measured in run 30, H200, N32:
+// 96 columns on a 128-wide tile, 96->384 and 384->96 at 56^2, took 1.03-1.10x the Sm80
+// kernel's time, on the 96-wide tile 0.81-0.82x; full tiles 0.45-0.69x, or the same at
+// 256->64). Equal slices (the GEMM's
 // batches): the most that divide the pixels, at most one wave of output tiles over the nominal
 // SMs, kMaxSplitK, and slices of kMinKIterationsPerSlice k-blocks or more. 0 (not taken: the
 // split-K conv kernels run it) where that leaves fewer than half the slices those bounds allow.
@@ -378,7 +381,7 @@ int64_t plan_pointwise_wgrad(const ConvProblem& p, const Plan& plan) {
   const int64_t pixels = p.N * p.H * p.W;
   if (pixels <= 0 || pixels > INT_MAX) return 0;
   const implicit_gemm::PointwiseWgradTiling t = implicit_gemm::pointwise_wgrad_tiling(p.K, p.C);
-  if (plan.math == Math::kTF32 && std::min(p.K, p.C) % (t.wide ? 128 : 64) != 0) return 0;
+  if (plan.math == Math::kTF32 && t.cols % t.tile_cols != 0) return 0;
   const int64_t k_block = 128 / plan.element_bytes;
   const int64_t bound =
       std::min({std::max<int64_t>(1, kNominalSms / t.tiles), kMaxSplitK,
@@ -1911,7 +1914,7 @@ ffi::Error run_nhwc_route(cudaStream_t stream, const ConvQuery& query, const Pla
       // A 1x1 channels-last wgrad on Hopper: the pointwise wgrad GEMM over equal slices of the
       // pixels (plan_pointwise_wgrad) in place of the Sm80 kernel (TF32, and half types whose
       // channels the Hopper half wgrad's 64-wide tiles do not divide: bf16 96->384 at N32 56^2
-      // took 0.037 ms against 0.077, run 30), unless JAX_KERNELS_CONV_POINTWISE_WGRAD=0 (kept
+      // took 0.034 ms against 0.076, run 30), unless JAX_KERNELS_CONV_POINTWISE_WGRAD=0 (kept
       // for A/B measurements) or it refuses the pointers; its partials are in HWIO order.
       if (!batch_inner && plan.pointwise_wgrad_slices > 0 && !c.sm90 && hopper_kernels() &&
           !knob_off("JAX_KERNELS_CONV_POINTWISE_WGRAD")) {

@@ -178,19 +178,20 @@ ffi::Error sm90_pointwise_run(const NhwcConv& conv, cudaStream_t stream);
 // divide), each writing a float32 partial in HWIO order (wgrad_order kRSCK). Its tiling is host
 // arithmetic, here, so that the planner's split is the same on every device and build: the GEMM's
 // rows (128 a tile) are the larger of the filters and the channels, its columns the other, 64 a
-// tile where they are at most 64, else 128.
+// tile where they are at most 64, 96 where 96 divides them and 128 does not (ConvNeXt's 96,
+// 192, 384... channels: no empty columns), else 128.
 struct PointwiseWgradTiling {
   bool channels_as_rows = false;  // rows are the channels (more channels than filters)
-  bool wide = false;              // 128 columns a tile, else 64
+  int64_t rows = 0, cols = 0;     // the GEMM's extents
+  int tile_cols = 64;             // 64, 96 or 128 columns a tile
   int64_t tiles = 0;              // output tiles of one slice
 };
 inline PointwiseWgradTiling pointwise_wgrad_tiling(int64_t K, int64_t C) {
   PointwiseWgradTiling t;
   t.channels_as_rows = C > K;
-  const int64_t rows = t.channels_as_rows ? C : K, cols = t.channels_as_rows ? K : C;
-  t.wide = cols > 64;
-  const int64_t tile_cols = t.wide ? 128 : 64;
-  t.tiles = (rows + 127) / 128 * ((cols + tile_cols - 1) / tile_cols);
+  t.rows = t.channels_as_rows ? C : K, t.cols = t.channels_as_rows ? K : C;
+  t.tile_cols = t.cols <= 64 ? 64 : t.cols % 96 == 0 && t.cols % 128 != 0 ? 96 : 128;
+  t.tiles = (t.rows + 127) / 128 * ((t.cols + t.tile_cols - 1) / t.tile_cols);
   return t;
 }
 template <Math M>

@@ -21,8 +21,12 @@
 // Why: the wgrad's reduction is long (N*H*W = 100352 pixels at N32 56^2) and its output small
 // (64 x 256 filters: 2 tiles), so the conv kernels split it; for float32 the Sm80 kernel ran
 // it at 0.42-0.87x of cuDNN's time (docs/performance.md, run 27), the Hopper TF32 wgrad needs
-// batch-innermost copies that cost more than they save at one tap. Here the operands are read in
-// place by TMA, once.
+// batch-innermost copies that cost more than they save at one tap, and the Hopper half wgrad
+// takes channels in 64s only. Here the operands are read in place by TMA, once. Measured in run
+// 30 (H200, N32, 10 calls in one jit): float32 64->256 at 56^2 0.076 -> 0.053 ms, 1024->256 at
+// 14^2 0.078 -> 0.036, 96->384 and 384->96 at 56^2 0.107 -> 0.087; bfloat16 96->384 0.076 ->
+// 0.034. In TF32 the shared-memory pipe bounds it (ncu, 64->256: 75% busy with the transposes,
+// DRAM 56% of its peak), in bfloat16 DRAM (71%).
 //
 // Its own translation units (implicit_gemm_sm90_pointwise_wgrad_<math>.cu), for the reason the
 // forward pointwise GEMM has them (implicit_gemm_sm90_pointwise.cuh).
@@ -54,8 +58,8 @@ namespace sm90 {
 
 using namespace cute;
 
-// 128 rows (filters or channels) x 64 or 128 columns a tile, k-blocks of 128 bytes of elements,
-// the cooperative schedule (two consumer warpgroups of 64 rows each on one tile).
+// 128 rows (filters or channels) x 64, 96 or 128 columns a tile, k-blocks of 128 bytes of
+// elements, the cooperative schedule (two consumer warpgroups of 64 rows each on one tile).
 template <Math M, bool kChannelsAsRows, int kTileN>
 struct PointwiseWgradGemm {
   using E = typename Element<M>::type;
@@ -145,14 +149,19 @@ inline std::string describe_pointwise_wgrad(const NhwcConv& c, const char* what)
 }
 
 // Calls f(TypeTag<Config>{}, std::bool_constant<kChannelsAsRows>{}) for the problem's tiling.
+template <Math M, bool kChannelsAsRows, class F>
+auto with_pointwise_wgrad_columns(int tile_cols, F&& f) {
+  using Rows = std::bool_constant<kChannelsAsRows>;
+  if (tile_cols == 64) return f(TypeTag<PointwiseWgradGemm<M, kChannelsAsRows, 64>>{}, Rows{});
+  if (tile_cols == 96) return f(TypeTag<PointwiseWgradGemm<M, kChannelsAsRows, 96>>{}, Rows{});
+  return f(TypeTag<PointwiseWgradGemm<M, kChannelsAsRows, 128>>{}, Rows{});
+}
+
 template <Math M, class F>
 auto with_pointwise_wgrad(const NhwcConv& c, F&& f) {
   const PointwiseWgradTiling t = pointwise_wgrad_tiling(c.K, c.C);
-  if (t.channels_as_rows)
-    return t.wide ? f(TypeTag<PointwiseWgradGemm<M, true, 128>>{}, std::true_type{})
-                  : f(TypeTag<PointwiseWgradGemm<M, true, 64>>{}, std::true_type{});
-  return t.wide ? f(TypeTag<PointwiseWgradGemm<M, false, 128>>{}, std::false_type{})
-                : f(TypeTag<PointwiseWgradGemm<M, false, 64>>{}, std::false_type{});
+  return t.channels_as_rows ? with_pointwise_wgrad_columns<M, true>(t.tile_cols, f)
+                            : with_pointwise_wgrad_columns<M, false>(t.tile_cols, f);
 }
 
 }  // namespace sm90
