@@ -368,12 +368,11 @@ bool plan_gemm(const ConvQuery& query, Plan* plan) {
 // kernels have; in TF32 only where its column tiles are full (measured in run 30, H200, N32:
 // 96 columns on a 128-wide tile, 96->384 and 384->96 at 56^2, took 1.03-1.10x the Sm80
 // kernel's time, on the 96-wide tile 0.81-0.82x; full tiles 0.45-0.69x, or the same at
-// 256->64). Equal slices (the GEMM's
-// batches): the most that divide the pixels, at most one wave of output tiles over the nominal
-// SMs, kMaxSplitK, and slices of kMinKIterationsPerSlice k-blocks or more. 0 (not taken: the
-// split-K conv kernels run it) where that leaves fewer than half the slices those bounds allow.
-// Host-only and independent of the device, like the rest of the plan (half types take it where
-// the Hopper half wgrad does not: run_nhwc_route).
+// 256->64). Equal slices (the GEMM's batches): the most that divide the pixels, at most one wave
+// of output tiles over the nominal SMs, kMaxSplitK, and slices of kMinKIterationsPerSlice
+// k-blocks or more. 0 (not taken: the split-K conv kernels run it) where that leaves fewer than
+// half the slices those bounds allow. Host-only and independent of the device, like the rest of
+// the plan (half types take it where the Hopper half wgrad does not: run_nhwc_route).
 int64_t plan_pointwise_wgrad(const ConvProblem& p, const Plan& plan) {
   if (!plan.in_place || !sm90_math(plan.math) || p.R != 1 || p.S != 1 || p.stride_h != 1 ||
       p.stride_w != 1 || p.pad_top != 0 || p.pad_left != 0 || p.P != p.H || p.Q != p.W)
