@@ -62,6 +62,9 @@ DENSE = [
     # The channels-last 1x1 wgrad's pixel GEMM: 2790 pixels, two slices of its ordered sum and
     # chunks of 128 with a short last one; 20 filters, a short block.
     ((3, 8, 30, 31), (20, 8, 1, 1), dict(), False),
+    # The same GEMM on NCHW float32 / float64 (64 filters: whole register blocks on every ISA):
+    # 2907 pixels in two slices, chunks cut at each image's end (323 pixels: 128, 128, 67).
+    ((3, 24, 17, 19), (64, 24, 1, 1), dict(), False),
 ]
 
 SCRIPT = textwrap.dedent("""
@@ -214,8 +217,26 @@ CHANNELS_LAST_WGRAD = [
 ]
 
 
+# 1x1 unit-stride unpadded weight gradients whose NCHW form (float32 / float64) runs the pixel
+# GEMM too, where a group's filters fill whole register blocks: 64 filters, and two groups of
+# 64 with a chunk of pixels that crosses no image.
+POINTWISE_WGRAD = [
+    ((3, 24, 17, 19), (64, 24, 1, 1), dict()),
+    ((2, 40, 9, 10), (128, 20, 1, 1), dict(groups=2)),
+]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
 def test_channels_last_wgrad_has_the_bits_of_nchw(dtype):
+    assert_wgrad_layouts_agree(dtype, CHANNELS_LAST_WGRAD)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_pointwise_wgrad_has_the_same_bits_in_both_layouts(dtype):
+    assert_wgrad_layouts_agree(dtype, POINTWISE_WGRAD)
+
+
+def assert_wgrad_layouts_agree(dtype, cases):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -224,7 +245,7 @@ def test_channels_last_wgrad_has_the_bits_of_nchw(dtype):
     rng = np.random.default_rng(1)
     dt = jnp.dtype(dtype)
     put = lambda a: jax.device_put(jnp.asarray(a, dt), cpu)
-    for xs, ws, options in CHANNELS_LAST_WGRAD:
+    for xs, ws, options in cases:
         x, w = rng.standard_normal(xs), rng.standard_normal(ws)
         y = jax.eval_shape(lambda x, w: jk.conv2d(x, w, **options),
                            jax.ShapeDtypeStruct(xs, dt), jax.ShapeDtypeStruct(ws, dt))

@@ -11,9 +11,10 @@
 // (run_pointwise) or as a GEMM over channels-last pixels (run_pointwise_pixels), in place for
 // the accumulation type, a tile or run of pixels widened at a time for half types. The wgrad
 // reduces over fixed slices of images into partial sums, then adds the slices in order, so
-// results never depend on the thread count; a channels-last 1x1 wgrad is a GEMM over the
-// pixels (run_weight_gradient_pixels), in fixed slices of pixels added in order, in place for
-// the accumulation type, a chunk of pixels widened at a time for half types. The inner loops
+// results never depend on the thread count; a channels-last 1x1 wgrad (and most NCHW ones in
+// float32 / float64) is a GEMM over the pixels (run_weight_gradient_pixels), in fixed slices of
+// pixels added in order, in place for the accumulation type, a chunk of pixels widened at a
+// time for half types, dy's chunk transposed for NCHW. The inner loops
 // live in conv_loops.inc, compiled for several instruction sets and chosen once at run time.
 #include <algorithm>
 #include <cstdint>
@@ -93,14 +94,15 @@ struct PixelBlock {
   int64_t out_step, filters, pixels;
 };
 
-// The channels-last 1x1 weight gradient (conv.cc's run_weight_gradient_pixels) over a run of
+// The 1x1 weight gradient over pixels (conv.cc's run_weight_gradient_pixels) over a run of
 // pixels: partial[c * partial_pitch + k] = (first ? 0 : partial[...]) + sum over p in [0,
-// pixels), in order, of x[p * x_step + c] * dy[p * dy_step + k]; partial_pitch a whole number
-// of pixel_filter_block filters.
+// pixels), in order, of x[p * x_step + c * x_channel_step] * dy[p * dy_step + k]; partial_pitch
+// a whole number of pixel_filter_block filters.
 template <class A>
 struct PixelGradient {
   const A* x;
   int64_t x_step, channels;
+  int64_t x_channel_step;  // elements between x's channels: 1 channels last, H*W for NCHW
   const A* dy;
   int64_t dy_step, filters, pixels;
   A* partial;
@@ -986,36 +988,51 @@ void run_weight_gradient_direct(const T* dy, const T* x, T* dw, const ConvProble
   });
 }
 
-// The channels-last 1x1 weight gradient at unit stride without padding (every output pixel
-// reads the input pixel it is at): per group a GEMM of x's pixels by dy's, dw[c][k] = sum over
-// pixels of x[p][c] * dy[p][k], both read in place in float32 / float64, and in half types
-// widened to float a chunk of pixels at a time. The batch's pixels go in slices of at most
-// kSlicePixels (a count the shape fixes), each slice's sums in pixel order in a partial of the
-// accumulation type of its own, then the slices are added in order: the thread count never
-// changes a result.
+// The 1x1 weight gradient at unit stride without padding (every output pixel reads the input
+// pixel it is at), channels last in every dtype and NCHW in float32 / float64: per group a GEMM
+// of x's pixels by dy's, dw[c][k] = sum over pixels of x[p][c] * dy[p][k]. Channels last, both
+// are read in place in float32 / float64, and in half types widened to float a chunk of pixels
+// at a time. NCHW, x is read in place (its channels a plane apart, broadcast one element at a
+// time) and a chunk of dy's pixels (never across an image) is transposed to pixel-major rows
+// (pixel_weight_gradient says where: docs/performance.md has the figures). The
+// batch's pixels go in slices of at most kSlicePixels (a count the shape fixes), each slice's
+// sums in pixel order in a partial of the accumulation type of its own, then the slices are
+// added in order: the thread count never changes a result, and both layouts give the same bits.
+constexpr int64_t kPixelChunk = 128;  // pixels staged (or read) in cache at a time
+
+template <class T>
 bool pixel_weight_gradient(const ConvProblem& p) {
-  return p.layout == ConvLayout::kNHWC && p.R == 1 && p.S == 1 &&
-         p.stride_h == 1 && p.stride_w == 1 && p.pad_top == 0 && p.pad_left == 0 &&
-         p.P == p.H && p.Q == p.W;
+  using A = acc_t<T>;
+  if (p.R != 1 || p.S != 1 || p.stride_h != 1 || p.stride_w != 1 || p.pad_top != 0 ||
+      p.pad_left != 0 || p.P != p.H || p.Q != p.W)
+    return false;
+  if (p.layout == ConvLayout::kNHWC) return true;
+  // NCHW where it was measured faster than the planes' dot products: whole register blocks of
+  // filters (a group of 32 filters, half a block, took 4x the time: each pixel's filters are
+  // copied to a zero-padded row) and a chunk of x no larger than 256 KiB (read once per block of
+  // filters; 1024 channels at 14^2 took 1.07-1.13x the time).
+  return std::is_same_v<T, A> && p.filters_per_group() % loops<A>().pixel_filter_block == 0 &&
+         p.channels_per_group() * kPixelChunk * int64_t(sizeof(A)) <= (int64_t(256) << 10);
 }
 
 template <class T>
 void run_weight_gradient_pixels(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   using A = acc_t<T>;
   constexpr bool kInPlace = std::is_same_v<T, A>;
-  constexpr int64_t kSlicePixels = 2048, kChunkPixels = 128;
+  constexpr int64_t kSlicePixels = 2048, kChunkPixels = kPixelChunk;
   const CpuLoops<A>& isa = loops<A>();
+  const bool nchw = p.layout == ConvLayout::kNCHW;  // float32 / float64 only
   const int64_t Og = p.filters_per_group(), Ig = p.channels_per_group(), G = p.groups;
-  const int64_t pixels = p.N * p.P * p.Q;
+  const int64_t plane = p.H * p.W, pixels = p.N * plane;
   const int64_t slices = std::max<int64_t>(1, ceil_div(pixels, kSlicePixels));
   const int64_t per_slice = ceil_div(std::max<int64_t>(pixels, 1), slices);
   const int64_t pitch = round_up(std::max<int64_t>(Og, 1), isa.pixel_filter_block);
   const int64_t slice_elements = Ig * pitch;
   std::vector<A> partial(G * slices * slice_elements);
   parallel_for(G * slices, 1, [&](int64_t begin, int64_t end) {
-    // Half types: a chunk's pixels of the group, widened.
+    // Half types: a chunk's pixels of the group, widened; NCHW: a chunk of dy's pixels.
     ThreadScratch<A> x_chunk(0, kInPlace ? 0 : kChunkPixels * Ig);
-    ThreadScratch<A> dy_chunk(1, kInPlace ? 0 : kChunkPixels * Og);
+    ThreadScratch<A> dy_chunk(1, kInPlace && !nchw ? 0 : kChunkPixels * Og);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / slices, s = item % slices;
       const int64_t p0 = std::min(pixels, s * per_slice), p1 = std::min(pixels, p0 + per_slice);
@@ -1023,23 +1040,36 @@ void run_weight_gradient_pixels(const T* dy, const T* x, T* dw, const ConvProble
       b.channels = Ig, b.filters = Og;
       b.partial = partial.data() + item * slice_elements, b.partial_pitch = pitch;
       b.first = true;  // (an empty slice leaves its partial as constructed: zeros)
-      for (int64_t c0 = p0; c0 < p1; c0 += kChunkPixels) {  // a chunk of pixels stays in cache
+      for (int64_t c0 = p0; c0 < p1; c0 += b.pixels) {  // a chunk of pixels stays in cache
         b.pixels = std::min(kChunkPixels, p1 - c0);
-        const T* xs = x + c0 * p.C + g * Ig;
-        const T* dys = dy + c0 * p.K + g * Og;
-        if constexpr (kInPlace) {
-          b.x = xs, b.x_step = p.C, b.dy = dys, b.dy_step = p.K;
+        if (nchw) {
+          if constexpr (kInPlace) {
+            const int64_t n = c0 / plane, i = c0 % plane;
+            b.pixels = std::min(b.pixels, plane - i);  // one image's pixels
+            b.x = x + (n * p.C + g * Ig) * plane + i, b.x_step = 1, b.x_channel_step = plane;
+            transpose_channels(isa, dy + (n * p.K + g * Og) * plane + i, plane, Og, b.pixels,
+                               dy_chunk.data(), Og);
+            b.dy = dy_chunk.data(), b.dy_step = Og;
+          }
         } else {
-          widen_pixels(isa, xs, p.C, Ig, b.pixels, x_chunk.data());
-          widen_pixels(isa, dys, p.K, Og, b.pixels, dy_chunk.data());
-          b.x = x_chunk.data(), b.x_step = Ig, b.dy = dy_chunk.data(), b.dy_step = Og;
+          const T* xs = x + c0 * p.C + g * Ig;
+          const T* dys = dy + c0 * p.K + g * Og;
+          b.x_channel_step = 1;
+          if constexpr (kInPlace) {
+            b.x = xs, b.x_step = p.C, b.dy = dys, b.dy_step = p.K;
+          } else {
+            widen_pixels(isa, xs, p.C, Ig, b.pixels, x_chunk.data());
+            widen_pixels(isa, dys, p.K, Og, b.pixels, dy_chunk.data());
+            b.x = x_chunk.data(), b.x_step = Ig, b.dy = dy_chunk.data(), b.dy_step = Og;
+          }
         }
         isa.pixel_gradient(b);
         b.first = false;
       }
     }
   });
-  // HWIO [1][1][Ig][K]: dw[c * K + g * Og + o], the slices added in order.
+  // dw: HWIO [1][1][Ig][K], dw[c * K + g * Og + o], or KCRS [K][Ig][1][1], dw[(g * Og + o) * Ig
+  // + c]; the slices added in order.
   parallel_for(G * Ig, 64, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t g = row / Ig, c = row % Ig;
@@ -1047,7 +1077,7 @@ void run_weight_gradient_pixels(const T* dy, const T* x, T* dw, const ConvProble
         A sum = partial[(g * slices) * slice_elements + c * pitch + o];
         for (int64_t s = 1; s < slices; ++s)
           sum += partial[(g * slices + s) * slice_elements + c * pitch + o];
-        dw[c * p.K + g * Og + o] = from_acc<T>(sum);
+        dw[nchw ? (g * Og + o) * Ig + c : c * p.K + g * Og + o] = from_acc<T>(sum);
       }
     }
   });
@@ -1060,7 +1090,7 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   const int64_t Kg = p.filters_per_group(), Cg = p.channels_per_group(), RS = p.R * p.S;
   const int64_t weights = p.K * Cg * RS;
   if (weights == 0) return;
-  if (pixel_weight_gradient(p)) return run_weight_gradient_pixels(dy, x, dw, p);
+  if (pixel_weight_gradient<T>(p)) return run_weight_gradient_pixels(dy, x, dw, p);
   const int64_t L = isa.lanes;
   // Output (p, q) reads, at tap (r, s), x row p * stride_h + a - pad_top and column
   // q * stride_w + b - pad_left (a = r * dilation_h, b = s * dilation_w). Each input plane is
