@@ -993,11 +993,11 @@ void run_weight_gradient_direct(const T* dy, const T* x, T* dw, const ConvProble
 // of x's pixels by dy's, dw[c][k] = sum over pixels of x[p][c] * dy[p][k]. Channels last, both
 // are read in place in float32 / float64, and in half types widened to float a chunk of pixels
 // at a time. NCHW, x is read in place (its channels a plane apart, broadcast one element at a
-// time) and a chunk of dy's pixels (never across an image) is transposed to pixel-major rows
-// (pixel_weight_gradient says where: docs/performance.md has the figures). The
-// batch's pixels go in slices of at most kSlicePixels (a count the shape fixes), each slice's
-// sums in pixel order in a partial of the accumulation type of its own, then the slices are
-// added in order: the thread count never changes a result, and both layouts give the same bits.
+// time) and a chunk of dy's pixels (never across an image) is transposed to pixel-major rows,
+// where pixel_weight_gradient says (docs/performance.md has the figures). The batch's pixels go
+// in slices of at most kSlicePixels (a count the shape fixes), each slice's sums in pixel order
+// in a partial of the accumulation type of its own, then the slices are added in order: the
+// thread count never changes a result, and both layouts give the same bits.
 constexpr int64_t kPixelChunk = 128;  // pixels staged (or read) in cache at a time
 
 template <class T>
@@ -1042,26 +1042,24 @@ void run_weight_gradient_pixels(const T* dy, const T* x, T* dw, const ConvProble
       b.first = true;  // (an empty slice leaves its partial as constructed: zeros)
       for (int64_t c0 = p0; c0 < p1; c0 += b.pixels) {  // a chunk of pixels stays in cache
         b.pixels = std::min(kChunkPixels, p1 - c0);
-        if (nchw) {
-          if constexpr (kInPlace) {
+        b.x_channel_step = 1;
+        const T* xs = x + c0 * p.C + g * Ig;
+        const T* dys = dy + c0 * p.K + g * Og;
+        if constexpr (kInPlace) {
+          if (nchw) {
             const int64_t n = c0 / plane, i = c0 % plane;
             b.pixels = std::min(b.pixels, plane - i);  // one image's pixels
             b.x = x + (n * p.C + g * Ig) * plane + i, b.x_step = 1, b.x_channel_step = plane;
             transpose_channels(isa, dy + (n * p.K + g * Og) * plane + i, plane, Og, b.pixels,
                                dy_chunk.data(), Og);
             b.dy = dy_chunk.data(), b.dy_step = Og;
-          }
-        } else {
-          const T* xs = x + c0 * p.C + g * Ig;
-          const T* dys = dy + c0 * p.K + g * Og;
-          b.x_channel_step = 1;
-          if constexpr (kInPlace) {
-            b.x = xs, b.x_step = p.C, b.dy = dys, b.dy_step = p.K;
           } else {
-            widen_pixels(isa, xs, p.C, Ig, b.pixels, x_chunk.data());
-            widen_pixels(isa, dys, p.K, Og, b.pixels, dy_chunk.data());
-            b.x = x_chunk.data(), b.x_step = Ig, b.dy = dy_chunk.data(), b.dy_step = Og;
+            b.x = xs, b.x_step = p.C, b.dy = dys, b.dy_step = p.K;
           }
+        } else {  // half types: channels last only (pixel_weight_gradient)
+          widen_pixels(isa, xs, p.C, Ig, b.pixels, x_chunk.data());
+          widen_pixels(isa, dys, p.K, Og, b.pixels, dy_chunk.data());
+          b.x = x_chunk.data(), b.x_step = Ig, b.dy = dy_chunk.data(), b.dy_step = Og;
         }
         isa.pixel_gradient(b);
         b.first = false;
