@@ -10,12 +10,14 @@
 // unit stride, no padding) skip the band copies: the same sums run on NCHW planes
 // (run_pointwise) or as a GEMM over channels-last pixels (run_pointwise_pixels), in place for
 // the accumulation type, a tile or run of pixels widened at a time for half types. The wgrad
-// reduces over fixed slices of images into partial sums, then adds the slices in order, so
-// results never depend on the thread count; a channels-last 1x1 wgrad (and most NCHW ones in
-// float32 / float64) is a GEMM over the pixels (run_weight_gradient_pixels), in fixed slices of
-// pixels added in order, in place for the accumulation type, a chunk of pixels widened at a
-// time for half types, dy's chunk transposed for NCHW. The inner loops
-// live in conv_loops.inc, compiled for several instruction sets and chosen once at run time.
+// reduces over fixed slices of images into partial sums (outer products of dy's transposed
+// position chunks by x per tap where the filters fill whole register blocks, else dot products
+// along the flat rows), then adds the slices in order, so results never depend on the thread
+// count; a channels-last 1x1 wgrad (and most NCHW ones in float32 / float64) is a GEMM over
+// the pixels (run_weight_gradient_pixels), in fixed slices of pixels added in order, in place
+// for the accumulation type, a chunk of pixels widened at a time for half types, dy's chunk
+// transposed for NCHW. The inner loops live in conv_loops.inc, compiled for several
+// instruction sets and chosen once at run time.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -1179,11 +1181,51 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   // Channels-last tensors are staged through tiles transposed in registers (a strided copy per
   // plane took 23% of the 1x1 wgrad's samples): dy's planes, and x's phases at any stride.
   const bool channels_last = p.layout == ConvLayout::kNHWC;
+  // A block's sums as outer products (pixel_gradient, the pixel GEMM's loop) where the group's
+  // filters fill whole register blocks: per chunk of kPixelChunk flat positions of an image,
+  // dy's filters transposed to pixel-major rows, then per tap a GEMM of those rows by the
+  // block's channels at that tap, each x element broadcast; its [channel, tap][filter] sums
+  // land in the partial at the end. A vector of filters per load and one broadcast per channel
+  // and position, where the dot products (isa.weight_gradient) load a vector of x per column
+  // and reduce their lanes at the end: 0.71-1.00x their time on this session's 2-core EPYC VM
+  // (float32 NCHW 3x3/2 128->128 N8 28^2 1.97-2.00 -> 1.63-1.68 ms, 2x2/2 96->192 0.71x, 3x3
+  // 256->256 14^2 0.91x; channels last 3x3/2 0.75-0.80x; docs/performance.md). Other filter
+  // counts keep the dot products (a partial register block copies every position's filters).
+  const bool outer = Kg % isa.pixel_filter_block == 0;
+  const int64_t k_pitch = Kg;
+  auto sum_block = [&](const WeightGradientBlock<A>& blk, A* partial_block, A* scratch) {
+    if (!outer) {
+      isa.weight_gradient(blk, Kg, partial_block, Cg * RS);
+      return;
+    }
+    const int64_t channels = blk.columns / RS;
+    A* chunk = scratch;                    // [kPixelChunk][Kg]: dy's positions, pixel-major
+    A* sums = scratch + kPixelChunk * Kg;  // [channels * RS][k_pitch]
+    PixelGradient<A> b{};
+    b.channels = channels, b.filters = Kg, b.x_step = 1, b.x_channel_step = x_plane;
+    b.dy = chunk, b.dy_step = Kg, b.partial_pitch = RS * k_pitch;
+    for (int64_t n = 0; n < blk.images; ++n)
+      for (int64_t i0 = 0; i0 < blk.positions; i0 += kPixelChunk) {
+        b.pixels = std::min(kPixelChunk, blk.positions - i0);
+        transpose_channels(isa, blk.dy + n * blk.dy_image_pitch + i0, blk.dy_channel_pitch, Kg,
+                           b.pixels, chunk, Kg);
+        b.first = n == 0 && i0 == 0;
+        for (int64_t t = 0; t < RS; ++t) {
+          b.x = blk.x + n * blk.x_image_pitch + blk.column_offset[t] + i0;
+          b.partial = sums + t * k_pitch;
+          isa.pixel_gradient(b);
+        }
+      }
+    for (int64_t k = 0; k < Kg; ++k)
+      for (int64_t j = 0; j < channels * RS; ++j)
+        partial_block[k * Cg * RS + j] += sums[j * k_pitch + k];
+  };
   const int64_t work = std::max<int64_t>(1, per_slice * Kg * channel_block * RS * p.P * p.Q);
   parallel_for(slices * p.groups * blocks, std::max<int64_t>(1, (int64_t(1) << 16) / work),
                [&](int64_t begin, int64_t end) {
     ThreadScratch<A> x_buffer(0, in_place ? 0 : per_slice * channel_block * x_plane);
     ThreadScratch<A> dy_buffer(1, in_place ? 0 : per_slice * Kg * dy_plane);
+    ThreadScratch<A> outer_buffer(2, outer ? kPixelChunk * Kg + channel_block * RS * k_pitch : 0);
     int64_t staged = -1;  // the (slice, group) whose dy is in dy_buffer
     for (int64_t item = begin; item < end; ++item) {
       const int64_t slice = item / (p.groups * blocks), g = item / blocks % p.groups;
@@ -1203,7 +1245,7 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
           block.x_image_pitch = xs.a;
           block.dy = dy + ys.at(first, g * Kg, 0, 0);
           block.dy_image_pitch = ys.a;
-          isa.weight_gradient(block, Kg, partial_block, Cg * RS);
+          sum_block(block, partial_block, outer_buffer.data());
           continue;
         }
       }
@@ -1238,7 +1280,7 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
       block.x_image_pitch = channel_block * x_plane;
       block.dy = dy_buffer.data();
       block.dy_image_pitch = Kg * dy_plane;
-      isa.weight_gradient(block, Kg, partial_block, Cg * RS);
+      sum_block(block, partial_block, outer_buffer.data());
     }
   });
   // The partials are [K][Cg][R][S]; dw is that (KCRS) or [R][S][Cg][K] (HWIO). One filter's
