@@ -65,6 +65,11 @@ DENSE = [
     # The same GEMM on NCHW float32 / float64 (64 filters: whole register blocks on every ISA):
     # 2907 pixels in two slices, chunks cut at each image's end (323 pixels: 128, 128, 67).
     ((3, 24, 17, 19), (64, 24, 1, 1), dict(), False),
+    # The staged wgrad's outer products (64 filters a group: whole register blocks on every
+    # ISA): a strided 3x3 (flat rows of 8 x 9 positions, one chunk), and two groups of 64 over
+    # 16 x 19 positions (two chunks, the last short).
+    ((2, 16, 15, 17), (64, 16, 3, 3), dict(stride=2, padding=1), True),
+    ((2, 32, 16, 16), (128, 16, 3, 3), dict(padding=1, groups=2), False),
 ]
 
 SCRIPT = textwrap.dedent("""
@@ -214,6 +219,9 @@ CHANNELS_LAST_WGRAD = [
     # Strided phases of whole 16-pixel runs (transposed at a pixel stride of stride * C).
     ((2, 32, 10, 40), (8, 32, 3, 3), dict(stride=2, padding=1)),
     ((1, 32, 9, 50), (16, 16, 2, 4), dict(stride=(3, 2), padding=(0, 3), groups=2)),
+    # Outer products (64 filters a group: whole register blocks on every ISA).
+    ((2, 24, 11, 13), (64, 24, 3, 3), dict(stride=2, padding=1)),
+    ((2, 32, 8, 9), (128, 16, 2, 2), dict(groups=2)),
 ]
 
 
