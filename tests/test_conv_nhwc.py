@@ -518,6 +518,58 @@ def test_pointwise_wgrad_matches_float64(monkeypatch, dtype, geometry):
     assert_close(pointwise, grad(), rtol_=1e-3 if dtype == jnp.float32 else rtol(dtype))
 
 
+# Strided 1x1 convolutions, whose TF32 wgrad and NCHW forward run as unit-stride ones over x's
+# sampled pixels (plan_sampled in implicit_gemm.cu: a gather, then the batched GEMM NCHW or the
+# pointwise wgrad GEMM channels last; the other passes and dtypes keep the strided kernels, checked
+# here too): an odd width whose last column goes unread, padding (sampled as zeros)
+# under strides 2 x 3, channels off the 16-byte units, two groups, and a ResNet-like 256->512
+# over 28^2.
+SAMPLED_GEOMETRIES = [
+    ((2, 32, 16, 17), (64, 32, 1, 1), dict(stride=2), True),
+    ((2, 24, 15, 14), (40, 24, 1, 1), dict(stride=(2, 3), padding=1), False),
+    ((2, 12, 11, 9), (20, 12, 1, 1), dict(stride=2), True),
+    ((2, 64, 14, 15), (128, 32, 1, 1), dict(stride=2, groups=2), False),
+    ((4, 256, 28, 28), (512, 256, 1, 1), dict(stride=2), False),
+]
+
+
+@needs_torch
+@pytest.mark.skipif(not ON_GPU, reason="the tensor-core kernels run on a GPU")
+@pytest.mark.parametrize("data_format", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("geometry", SAMPLED_GEOMETRIES, ids=_id)
+def test_sampled_pixels_match_float64(monkeypatch, data_format, dtype, geometry):
+    """Strided 1x1 convolutions over x's sampled pixels, against float64 torch on the same
+    rounded inputs; two calls give the same bits; the strided kernels
+    (JAX_KERNELS_CONV_SAMPLED=0, which sets the scratch's size, so the programs are traced
+    afresh) agree to the tolerance."""
+    shape_x, shape_w, options, bias = geometry
+    cast = lambda a: None if a is None else a.astype(jnp.float64)
+    if data_format == "NHWC":
+        x, w, b, dy = nhwc_operands(13, shape_x, shape_w, bias, dtype, options)
+        run = lambda: jk_nhwc(x, w, b, dy, **options)
+        expected = torch_nhwc(cast(x), cast(w), cast(b), cast(dy), **options)
+    else:
+        x, w, b, dy = operands(13, shape_x, shape_w, bias, dtype, options)
+        run = lambda: jk_conv(x, w, b, dy, **options)
+        expected = torch_conv(cast(x), cast(w), cast(b), cast(dy), **options)
+    monkeypatch.setenv("JAX_KERNELS_CONV_SAMPLED", "1")
+    jax.clear_caches()
+    got, again = run(), run()
+    tolerance = 1e-3 if dtype == jnp.float32 else rtol(dtype)
+    names = ("output", "d_input", "d_weight", "d_bias")
+    for name, a, r, e in zip(names, got, again, expected):
+        if e is not None:
+            assert a.dtype == dtype, name
+            assert_close(a, e, rtol_=tolerance), name
+            assert np.asarray(a).tobytes() == np.asarray(r).tobytes(), name
+    monkeypatch.setenv("JAX_KERNELS_CONV_SAMPLED", "0")
+    jax.clear_caches()
+    for name, a, s in zip(names, got, run()):
+        if s is not None:
+            assert_close(np.asarray(a).astype(np.float64), s, rtol_=tolerance), name
+
+
 def assert_wgrad_reproducible(seed, shape_x, shape_w, options, dtype, reference=None):
     """Two calls of the weight gradient give the same bits, close to float64 (torch, or
     reference(x, dy) on float64 NumPy arrays; float32 multiplies as TF32 on the tensor cores,

@@ -138,7 +138,8 @@ def conv2d_cases(dtype):
             ((2, 3, 17, 18), (16, 3, 7, 7), dict(stride=2, padding=3)),
             ((16, 3, 8, 8), (128, 3, 3, 3), dict(padding=1)),
             ((2, 128, 5, 6), (132, 128, 3, 3), dict(padding=1)),
-            ((2, 32, 16, 16), (64, 32, 1, 1), dict(stride=2))):
+            ((2, 32, 16, 16), (64, 32, 1, 1), dict(stride=2)),
+            ((2, 24, 15, 13), (40, 24, 1, 1), dict(stride=(3, 2), padding=1))):
         x, w, b = rand(*x_shape, dtype=dtype), rand(*w_shape, dtype=dtype), rand(w_shape[0], dtype=dtype)
         conv_grad = jax.grad(lambda x, w, b: jnp.sum(jk.conv2d(x, w, b, **options).astype(jnp.float32)),
                              argnums=(0, 1, 2))
@@ -197,7 +198,11 @@ def conv2d_nhwc_cases(dtype):
             ((4, 30, 33, 64), (1, 1, 64, 128), dict()),
             ((4, 30, 33, 128), (1, 1, 128, 64), dict()),
             ((4, 30, 33, 96), (1, 1, 96, 192), dict()),
-            ((4, 30, 33, 160), (1, 1, 160, 32), dict())):
+            ((4, 30, 33, 160), (1, 1, 160, 32), dict()),
+            # Strided 1x1s over x's sampled pixels (plan_sampled): 16-byte units with the last
+            # row and column unread, then element units with padding sampled as zeros.
+            ((2, 17, 15, 64), (1, 1, 64, 128), dict(stride=2)),
+            ((2, 13, 11, 12), (1, 1, 12, 20), dict(stride=(2, 3), padding=1))):
         x, w, b = rand(*x_shape, dtype=dtype), rand(*w_shape, dtype=dtype), rand(w_shape[-1], dtype=dtype)
         conv_grad = jax.grad(lambda x, w, b: jnp.sum(
             jk.conv2d(x, w, b, data_format="NHWC", **options).astype(jnp.float32)), argnums=(0, 1, 2))

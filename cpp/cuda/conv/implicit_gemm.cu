@@ -238,6 +238,10 @@ struct Plan {
   // equal slices of the pixels instead of the split-K conv kernels, in the same scratch regions,
   // which the plan sizes for both on every device. 0: not taken.
   int64_t pointwise_wgrad_slices = 0;
+  // A strided 1x1 forward or wgrad (plan_sampled): the rest of the plan is that of the unit-stride
+  // problem over x's sampled pixels (sampled_query), which a gather writes to the scratch at this
+  // offset first. -1: none.
+  int64_t sampled_offset = -1;
   // Scratch regions (byte offsets from the 256-byte aligned base) and the bytes to ask for.
   int64_t offset[4] = {0, 0, 0, 0};
   int64_t bytes = -1;
@@ -499,6 +503,20 @@ bool plan_batch_inner_wgrad(const ConvQuery& query, const Plan& plan, BatchInner
 }
 
 #if defined(JAX_KERNELS_HAVE_SM90_CONV)
+// The Hopper conv fprop's tile (implicit_gemm_sm90.cuh): the wide one (one CTA per SM) unless
+// twice its tiles fit one wave of the nominal SMs; then the narrow one, twice the CTAs with half
+// the work each. Measured (run 31, H200, N32 NHWC, in-jit): 0.94-0.98x the time on 3x3 512->512
+// at 7^2 (52 wide tiles), 1.11-1.34x on 3x3 256->256 at 14^2 (98) and 1.03-1.31x on 3x3/2
+// 128->128 at 56^2 (196), where it is not taken. JAX_KERNELS_CONV_SM90_FILL=0 keeps the wide
+// tile (A/B measurements). The pointwise GEMM (1x1 taps) chooses its own tiles.
+void sm90_fprop_tile(NhwcConv* c) {
+  if (c->tile != TileClass::kWide || (c->R == 1 && c->S == 1) ||
+      knob_off("JAX_KERNELS_CONV_SM90_FILL"))
+    return;
+  const int64_t wide = ceil_div(int64_t(c->N) * c->P * c->Q, 128) * ceil_div(int64_t(c->K), 128);
+  if (2 * wide <= kNominalSms) c->tile = TileClass::kNarrow;
+}
+
 // Stride phase f of a strided dgrad as the Hopper fprop sees it: over dy ([N][P][Q][Kgp]) with
 // the phase's filters, writing its pixels of dx ([N][H][W][Cgp]) at the strides between them.
 NhwcConv phase_conv(const ConvProblem& p, const Plan& plan, const dgrad_phases::Phase& f) {
@@ -549,7 +567,9 @@ bool choose_kernel(Math math, NhwcConv* c) {
 #if defined(JAX_KERNELS_HAVE_SM90_CONV)
   if (c->kernel == NhwcKernel::kFprop && hopper_kernels() && sm90_math(math)) {
     c->sm90 = true;
-    if (!can_implement(math, *c)) c->sm90 = false;
+    const TileClass tile = c->tile;
+    sm90_fprop_tile(c);
+    if (!can_implement(math, *c)) c->sm90 = false, c->tile = tile;
   }
   if (c->kernel == NhwcKernel::kWgrad && hopper_kernels() &&
       (math == Math::kFloat16 || math == Math::kBFloat16))
@@ -751,6 +771,53 @@ bool plan_im2col(const ConvQuery& query, Plan* plan) {
   return true;
 }
 
+// A 1x1 convolution with a stride reads only the pixels (p * stride - pad, q * stride - pad): its
+// forward and wgrad are those of the unit-stride 1x1 convolution over those pixels, a tensor of
+// x's layout with P x Q pixels (zero where the padding is sampled). Its gradient dx is zero off
+// them, which a gather does not give: dgrad keeps its stride phases.
+ConvQuery sampled_query(const ConvQuery& query) {
+  ConvQuery sub = query;
+  ConvProblem& p = sub.problem;
+  p.H = p.P, p.W = p.Q;
+  p.stride_h = p.stride_w = p.dilation_h = p.dilation_w = 1;
+  p.pad_top = p.pad_left = 0;
+  return sub;
+}
+
+Plan make_plan(const ConvQuery& query);
+
+// The unit-stride plan over the sampled pixels (sampled_query) for a strided 1x1 forward or wgrad
+// where taken (below), with room after its regions for the sampled x; false where not, or where
+// no route takes the unit-stride problem. Measured against the strided kernels (run 31, H200, N32
+// 1x1/2 256->512 at 56^2, in-jit): TF32 wgrad 0.50x the time NCHW (the batched GEMM), 0.57x
+// channels last (the pointwise wgrad GEMM); TF32 NCHW forward 0.85x.
+// JAX_KERNELS_CONV_SAMPLED=0 keeps the strided kernels, for A/B measurements; as it sets the
+// scratch's size, it must be the same when a program is traced and when it runs (set it before
+// the process starts).
+bool plan_sampled(const ConvQuery& query, Plan* plan) {
+  const ConvProblem& p = query.problem;
+  if (p.R != 1 || p.S != 1 || (p.stride_h == 1 && p.stride_w == 1) ||
+      query.pass == ConvPass::kBackwardData || knob_off("JAX_KERNELS_CONV_SAMPLED"))
+    return false;
+  // Taken where it measured faster: TF32 wgrads, whose strided problem has no Hopper kernel, and
+  // TF32 NCHW forwards, whose strided route transposes the whole of x. The half types' Hopper
+  // kernels read the strided pixels themselves, faster than a gather and the unit-stride route
+  // (1.02-1.36x the time on their wgrads and NCHW forward), and the TF32 channels-last forward
+  // was level.
+  if (plan->math != Math::kTF32 ||
+      (query.pass == ConvPass::kForward && p.layout == ConvLayout::kNHWC))
+    return false;
+  const Plan inner = make_plan(sampled_query(query));
+  if (inner.route == Route::kDecline) return false;
+  const int64_t sampled_bytes = checked_product({p.N, p.C, p.P, p.Q, inner.element_bytes});
+  ScratchLayout layout;
+  layout.take(inner.bytes);  // a multiple of kScratchAlign: past the inner regions
+  *plan = inner;
+  plan->sampled_offset = layout.take(sampled_bytes);
+  plan->bytes = layout.total();
+  return plan->bytes >= 0 && plan->sampled_offset >= 0;
+}
+
 Plan make_plan(const ConvQuery& query) {
   Plan plan;
   const ConvProblem& p = query.problem;
@@ -770,6 +837,8 @@ Plan make_plan(const ConvQuery& query) {
   const bool half = plan.math == Math::kFloat16 || plan.math == Math::kBFloat16;
   plan.element_bytes = half ? 2 : 4;
   plan.alignment = 16 / plan.element_bytes;
+  Plan sampled = plan;
+  if (plan_sampled(query, &sampled)) return sampled;
   Plan gemm = plan;
   if (p.layout == ConvLayout::kNCHW && plan_gemm(query, &gemm)) return gemm;
   Plan im2col = plan;
@@ -1663,6 +1732,65 @@ ffi::Error launch_bias_matrix(cudaStream_t stream, const void* bias, void* matri
   return launch_status("conv2d (bias)");
 }
 
+// ---- Sampled pixels (plan_sampled) ----------------------------------------------------------------
+
+// out at (n, c, p, q) = x at (n, c, p * stride_h - pad_top, q * stride_w - pad_left), zero
+// outside x, both in x's layout, in units V: 16-byte vectors of channels where channels-last
+// pixels are whole vectors, else elements. Item idx is unit u of pixel (p, q) of plane i, a plane
+// being an image (channels last, `units` per pixel) or one channel of an image (NCHW, one unit
+// per pixel): consecutive threads read and write consecutive units, the reads `stride` pixels
+// apart along a row.
+struct SampleJob {
+  int64_t planes, H, W, P, Q, units, stride_h, stride_w, pad_top, pad_left;
+};
+
+template <class V, class Index>
+__global__ void __launch_bounds__(kLayoutThreads)
+    sample_kernel(const V* x, V* out, SampleJob j, Index items) {
+  const Index units = Index(j.units), Q = Index(j.Q), P = Index(j.P);
+  const GridStride<Index> loop(items, blockDim.x, threadIdx.x);
+  for (Index idx = loop.first; idx < items; idx = loop.next(idx)) {
+    const Index u = idx % units, pixel = idx / units;
+    const Index q = pixel % Q, rest = pixel / Q;
+    const Index pp = rest % P, plane = rest / P;
+    const int64_t h = int64_t(pp) * j.stride_h - j.pad_top;
+    const int64_t w = int64_t(q) * j.stride_w - j.pad_left;
+    V v{};
+    if (h >= 0 && h < j.H && w >= 0 && w < j.W)
+      v = x[((int64_t(plane) * j.H + h) * j.W + w) * j.units + int64_t(u)];
+    out[idx] = v;
+  }
+}
+
+template <class Bits>
+ffi::Error launch_sample(cudaStream_t stream, const ConvProblem& p, const void* x, void* out) {
+  const bool last = p.layout == ConvLayout::kNHWC;
+  SampleJob j{};
+  j.planes = last ? p.N : p.N * p.C;
+  j.H = p.H, j.W = p.W, j.P = p.P, j.Q = p.Q;
+  j.units = last ? p.C : 1;
+  j.stride_h = p.stride_h, j.stride_w = p.stride_w, j.pad_top = p.pad_top, j.pad_left = p.pad_left;
+  auto launch = [&](auto unit) {
+    using V = decltype(unit);
+    const int64_t items = j.planes * j.P * j.Q * j.units;
+    const unsigned blocks = grid_blocks(items, kLayoutThreads);
+    auto* in = static_cast<const V*>(x);
+    auto* to = static_cast<V*>(out);
+    if (items <= int64_t(UINT32_MAX))
+      sample_kernel<V, uint32_t><<<blocks, kLayoutThreads, 0, stream>>>(in, to, j, uint32_t(items));
+    else
+      sample_kernel<V, uint64_t><<<blocks, kLayoutThreads, 0, stream>>>(in, to, j, uint64_t(items));
+  };
+  constexpr int64_t kPerVector = 16 / int64_t(sizeof(Bits));
+  if (last && p.C % kPerVector == 0 && aligned_to(x, 16) && aligned_to(out, 16)) {
+    j.units = p.C / kPerVector;
+    launch(uint4{});
+  } else {
+    launch(Bits{});
+  }
+  return launch_status("conv2d (sampled pixels)");
+}
+
 char* region(char* base, const Plan& plan, int i) { return base + plan.offset[i]; }
 
 // ---- Running the routes -----------------------------------------------------------------------
@@ -2172,15 +2300,57 @@ ffi::Error implicit_gemm_steps(cudaStream_t stream, const ConvQuery& query, cons
                                        std::to_string(scratch_bytes) + " scratch bytes, needs " +
                                        std::to_string(plan.bytes));
   char* base = aligned_scratch(scratch);
+  if (plan.sampled_offset >= 0) {
+    // x's sampled pixels (x is a for the forward, b for wgrad), then the unit-stride plan over
+    // them.
+    char* sampled = base + plan.sampled_offset;
+    const bool forward = query.pass == ConvPass::kForward;
+    if (has(steps, kImplicitGemmLayoutIn)) {
+      const void* x = forward ? a : b;
+      ffi::Error e = plan.element_bytes == 2
+                         ? launch_sample<uint16_t>(stream, query.problem, x, sampled)
+                         : launch_sample<uint32_t>(stream, query.problem, x, sampled);
+      if (e.failure()) return e;
+    }
+    const ConvQuery sub = sampled_query(query);
+    if (forward) a = sampled;
+    else b = sampled;
+    if (plan.element_bytes == 2)
+      return run_plan<uint16_t>(stream, sub, plan, a, b, bias, out, base, steps);
+    return run_plan<uint32_t>(stream, sub, plan, a, b, bias, out, base, steps);
+  }
   if (plan.element_bytes == 2)
     return run_plan<uint16_t>(stream, query, plan, a, b, bias, out, base, steps);
   return run_plan<uint32_t>(stream, query, plan, a, b, bias, out, base, steps);
 }
 
+namespace {
+
+bool layout_info(const ConvQuery& query, const Plan& plan, bool with_bias,
+                 ImplicitGemmLayoutInfo* info);
+
+}  // namespace
+
 bool implicit_gemm_layout_info(const ConvQuery& query, bool with_bias,
                                ImplicitGemmLayoutInfo* info) {
   const Plan plan = make_plan(query);
   if (plan.route == Route::kDecline) return false;
+  if (plan.sampled_offset < 0) return layout_info(query, plan, with_bias, info);
+  // The gather of x's sampled pixels, then the unit-stride plan's passes.
+  if (!layout_info(sampled_query(query), plan, with_bias, info)) return false;
+  const ConvProblem& p = query.problem;
+  info->in_launches += 1;
+  info->in_bytes += 2 * p.N * p.C * p.P * p.Q * plan.element_bytes;
+  std::string what = "sampled pixels of x";
+  if (info->in_what[0] != 0) what += std::string(" + ") + info->in_what;
+  std::snprintf(info->in_what, sizeof info->in_what, "%s", what.c_str());
+  return true;
+}
+
+namespace {
+
+bool layout_info(const ConvQuery& query, const Plan& plan, bool with_bias,
+                 ImplicitGemmLayoutInfo* info) {
   *info = ImplicitGemmLayoutInfo{};
   const ConvProblem& p = query.problem;
   const int64_t eb = plan.element_bytes;
@@ -2330,6 +2500,8 @@ bool implicit_gemm_layout_info(const ConvQuery& query, bool with_bias,
   }
   return true;
 }
+
+}  // namespace
 
 }  // namespace jax_kernels
 
