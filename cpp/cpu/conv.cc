@@ -807,6 +807,21 @@ void run_stencil_pass(const StencilPass<T>& s) {
       const int64_t rows = band_source_rows(b1 - b0);
       for (int64_t i = 0; i < Ig; ++i) {
         const T* plane = s.source + src.at(n, g * Ig + i, 0, 0);
+        // The next channel's band rows of an NCHW plane (one contiguous run) are prefetched
+        // while this one is staged: a strided forward reads a source four times its output,
+        // whose loads stalled the staging (15% of the 3x3/2 forward's samples). 3x3/2 64->128
+        // N8 56^2 float32 on a 2-core EPYC VM: 3.25-3.35 -> 2.89-2.95 ms (alternating
+        // processes); the unit-stride 3x3, whose source stays in cache, level.
+        if (src.d == 1 && i + 1 < Ig) {
+          const int64_t r0 = std::clamp<int64_t>(b0 * rs + row_min, 0, s.rows.source);
+          const int64_t r1 = std::clamp<int64_t>(b0 * rs + row_min + rows, r0, s.rows.source);
+          if (r1 > r0) {
+            const char* next =
+                reinterpret_cast<const char*>(s.source + src.at(n, g * Ig + i + 1, r0, 0));
+            const int64_t bytes = ((r1 - r0 - 1) * src.c + s.cols.source) * int64_t(sizeof(T));
+            for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(next + b);
+          }
+        }
         if (!split) {
           fill_padded_rows(isa, plane, src.c, src.d, s.rows.source, s.cols.source,
                            b0 * rs + row_min, rows, col_min, cs, phase_len,
