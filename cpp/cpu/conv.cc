@@ -273,6 +273,13 @@ void widen_row(const CpuLoops<A>& isa, const T* src, int64_t stride, A* dst, int
                                         : isa.widen_bf16(bits, dst, n);
     }
   }
+  // Stride 2 (a strided wgrad's x phases) as a constant: the compiler vectorizes it (loads and
+  // shuffles), where the scalar loop took 5-8% of the 3x3/2 wgrad's samples; 3x3/2 64->128 N8
+  // 56^2 float32 wgrad 3.29-3.38 -> 2.94-2.99 ms on a 2-core EPYC VM (alternating processes).
+  if (stride == 2) {
+    for (int64_t j = 0; j < n; ++j) dst[j] = to_acc(src[2 * j]);
+    return;
+  }
   for (int64_t j = 0; j < n; ++j) dst[j] = to_acc(src[j * stride]);
 }
 
