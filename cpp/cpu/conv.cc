@@ -110,6 +110,10 @@ struct PixelGradient {
   A* partial;
   int64_t partial_pitch;
   bool first;
+  // x's pixels in runs of `run` (0: one run), x_step apart within a run and run_skip elements
+  // further from a run's last pixel to the next run's first; the first pixel is run_first into
+  // its run. (dy's rows of Q positions over x's rows of a wider pitch.)
+  int64_t run, run_skip, run_first;
 };
 
 template <class A>
@@ -1220,20 +1224,26 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
       isa.weight_gradient(blk, Kg, partial_block, Cg * RS);
       return;
     }
+    // dy's planes are compact here (outer_dy: P * Q positions, no zeros past Q), so only the
+    // output's own positions are summed: dy's flat position i is x's i / Q * pitch + i % Q.
     const int64_t channels = blk.columns / RS;
     A* chunk = scratch;                    // [kPixelChunk][Kg]: dy's positions, pixel-major
     A* sums = scratch + kPixelChunk * Kg;  // [channels * RS][k_pitch]
     PixelGradient<A> b{};
     b.channels = channels, b.filters = Kg, b.x_step = 1, b.x_channel_step = x_plane;
     b.dy = chunk, b.dy_step = Kg, b.partial_pitch = RS * k_pitch;
+    b.run = p.Q, b.run_skip = pitch - p.Q;
+    const int64_t positions = p.P * p.Q;
     for (int64_t n = 0; n < blk.images; ++n)
-      for (int64_t i0 = 0; i0 < blk.positions; i0 += kPixelChunk) {
-        b.pixels = std::min(kPixelChunk, blk.positions - i0);
+      for (int64_t i0 = 0; i0 < positions; i0 += kPixelChunk) {
+        b.pixels = std::min(kPixelChunk, positions - i0);
+        b.run_first = i0 % p.Q;
         transpose_channels(isa, blk.dy + n * blk.dy_image_pitch + i0, blk.dy_channel_pitch, Kg,
                            b.pixels, chunk, Kg);
         b.first = n == 0 && i0 == 0;
         for (int64_t t = 0; t < RS; ++t) {
-          b.x = blk.x + n * blk.x_image_pitch + blk.column_offset[t] + i0;
+          b.x = blk.x + n * blk.x_image_pitch + blk.column_offset[t] + i0 / p.Q * pitch +
+                i0 % p.Q;
           b.partial = sums + t * k_pitch;
           isa.pixel_gradient(b);
         }
@@ -1273,22 +1283,24 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
       }
       if (staged != item / blocks) {
         staged = item / blocks;
+        // Rows at the pitch with zeros past Q, or compact for the outer products (outer_dy).
+        const int64_t dy_pitch = outer ? p.Q : pitch;
         for (int64_t n = 0; n < images; ++n)
           for (int64_t k = 0; k < Kg; ++k) {
             A* plane = dy_buffer.data() + (n * Kg + k) * dy_plane;
             for (int64_t row = 0; row < p.P; ++row) {
-              A* out = plane + row * pitch;
+              A* out = plane + row * dy_pitch;
               if (!channels_last)
                 widen_row(isa, dy + ys.at(first + n, g * Kg + k, row, 0), ys.d, out, p.Q);
-              std::fill(out + p.Q, out + pitch, A(0));  // zeros past Q
+              std::fill(out + p.Q, out + dy_pitch, A(0));  // zeros past Q
             }
-            std::fill(plane + p.P * pitch, plane + dy_plane, A(0));
+            std::fill(plane + p.P * dy_pitch, plane + dy_plane, A(0));
           }
         if (channels_last)
           for (int64_t n = 0; n < images; ++n)
             for (int64_t row = 0; row < p.P; ++row)
               transpose_channels(isa, dy + ys.at(first + n, g * Kg, row, 0), ys.d, p.Q, Kg,
-                                 dy_buffer.data() + n * Kg * dy_plane + row * pitch, dy_plane);
+                                 dy_buffer.data() + n * Kg * dy_plane + row * dy_pitch, dy_plane);
       }
       for (int64_t n = 0; n < images; ++n)
         for (int64_t i = 0; i < row_phases; ++i)
