@@ -698,7 +698,19 @@ void run_stencil_pass(const StencilPass<T>& s) {
   // row * phase_len + column + the tap's offset.
   const bool split = up_x == 1 && up_y == 1 && (cs > 1 || rs > 1) && Og >= 4;
   const bool flat = (cs == 1 && rs == 1 && Og >= 4) || split;
-  const int64_t phase_len = flat ? phase_cols + (col_max - col_min) / cs
+  // Unit-stride flat rows share their zero columns: a row's last `shared` columns (zeros right
+  // of the source) are dropped, so its taps read past it into the next row's first ones (zeros
+  // left of the source; after the last row of the last channel, zeros written per item). Fewer
+  // flat positions per row, the same sums: 3x3 64->64 N8 28^2 float32 (pitch 29, not 30)
+  // forward 1.09-1.11 -> 1.04-1.05 ms, dgrad 0.93-0.94x, channels-last forward 0.94-0.96x on a
+  // 2-core EPYC VM (alternating processes), the same bits.
+  int64_t shared = 0;
+  if (flat && !split && up_x == 1) {
+    const int64_t left = std::max<int64_t>(0, -col_min);
+    const int64_t right = std::max<int64_t>(0, phase_cols - 1 + col_max - (s.cols.source - 1));
+    shared = std::min(left, right);
+  }
+  const int64_t phase_len = flat ? phase_cols + (col_max - col_min) / cs - shared
                                  : round_up(phase_cols, 2 * isa.lanes) + (col_max - col_min) / cs + 1;
   const int64_t row_pitch = cs * phase_len;
   // Flat tiles read up to this many elements past the last position of a plane.
@@ -806,7 +818,7 @@ void run_stencil_pass(const StencilPass<T>& s) {
     // Every element read is written first, except what flat tiles and partial blocks read past
     // the last rows, which only feeds outputs that are dropped.
     ThreadScratch<A> buffer(0, std::max<int64_t>(Ig, 1) *
-                                   (split ? split_plane : buffer_rows * row_pitch) + slack);
+                                   (split ? split_plane : buffer_rows * row_pitch) + slack + shared);
     std::vector<A> split_row(split ? row_pitch : 0);
     ThreadScratch<A> staged(1, staged_out ? Og * band * up_y * out_cols : 0);
     ThreadScratch<A> partial(2, flat ? Og * 64 : 0);  // a flat tile's sums, [Og][tile]
@@ -848,6 +860,7 @@ void run_stencil_pass(const StencilPass<T>& s) {
                             (((t % rs) * cs + c) * split_rows + t / rs) * phase_len);
         }
       }
+      std::fill_n(buffer.data() + Ig * rows * row_pitch, shared, A(0));  // (shared above)
       T* out_group = s.out + dst.at(n, g * Og, 0, 0);
       for (int64_t py = 0; py < up_y; ++py) {
         const int64_t rows_in_band = std::min(b1, s.rows.phase_outputs(py)) - b0;
