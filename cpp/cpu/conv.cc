@@ -1237,8 +1237,9 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
       isa.weight_gradient(blk, Kg, partial_block, Cg * RS);
       return;
     }
-    // dy's planes are compact here (outer_dy: P * Q positions, no zeros past Q), so only the
-    // output's own positions are summed: dy's flat position i is x's i / Q * pitch + i % Q.
+    // dy's planes are compact here (staged below in rows of Q: P * Q positions, no zeros past
+    // Q), so only the output's own positions are summed: dy's position i is x's flat position
+    // i / Q * pitch + i % Q.
     const int64_t channels = blk.columns / RS;
     A* chunk = scratch;                    // [kPixelChunk][Kg]: dy's positions, pixel-major
     A* sums = scratch + kPixelChunk * Kg;  // [channels * RS][k_pitch]
@@ -1296,7 +1297,7 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
       }
       if (staged != item / blocks) {
         staged = item / blocks;
-        // Rows at the pitch with zeros past Q, or compact for the outer products (outer_dy).
+        // Rows at the pitch with zeros past Q, or compact for the outer products (sum_block).
         const int64_t dy_pitch = outer ? p.Q : pitch;
         for (int64_t n = 0; n < images; ++n)
           for (int64_t k = 0; k < Kg; ++k) {
