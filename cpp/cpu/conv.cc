@@ -828,22 +828,21 @@ void run_stencil_pass(const StencilPass<T>& s) {
       const int64_t b0 = item % bands * band;
       const int64_t b1 = std::min(b0 + band, phase_rows);
       const int64_t rows = band_source_rows(b1 - b0);
+      // The next channel's band rows of an NCHW plane (one contiguous run from source row r0)
+      // are prefetched while this one is staged: a strided forward reads a source four times
+      // its output, whose loads stalled the staging (15% of the 3x3/2 forward's samples). 3x3/2
+      // 64->128 N8 56^2 float32 on a 2-core EPYC VM: 3.25-3.35 -> 2.89-2.95 ms (alternating
+      // processes); the unit-stride 3x3, whose source stays in cache, level.
+      const int64_t r0 = std::clamp<int64_t>(b0 * rs + row_min, 0, s.rows.source);
+      const int64_t r1 = std::clamp<int64_t>(b0 * rs + row_min + rows, r0, s.rows.source);
+      const int64_t prefetch_bytes =
+          src.d == 1 && r1 > r0 ? ((r1 - r0 - 1) * src.c + s.cols.source) * int64_t(sizeof(T)) : 0;
       for (int64_t i = 0; i < Ig; ++i) {
         const T* plane = s.source + src.at(n, g * Ig + i, 0, 0);
-        // The next channel's band rows of an NCHW plane (one contiguous run) are prefetched
-        // while this one is staged: a strided forward reads a source four times its output,
-        // whose loads stalled the staging (15% of the 3x3/2 forward's samples). 3x3/2 64->128
-        // N8 56^2 float32 on a 2-core EPYC VM: 3.25-3.35 -> 2.89-2.95 ms (alternating
-        // processes); the unit-stride 3x3, whose source stays in cache, level.
-        if (src.d == 1 && i + 1 < Ig) {
-          const int64_t r0 = std::clamp<int64_t>(b0 * rs + row_min, 0, s.rows.source);
-          const int64_t r1 = std::clamp<int64_t>(b0 * rs + row_min + rows, r0, s.rows.source);
-          if (r1 > r0) {
-            const char* next =
-                reinterpret_cast<const char*>(s.source + src.at(n, g * Ig + i + 1, r0, 0));
-            const int64_t bytes = ((r1 - r0 - 1) * src.c + s.cols.source) * int64_t(sizeof(T));
-            for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(next + b);
-          }
+        if (i + 1 < Ig) {
+          const char* next =
+              reinterpret_cast<const char*>(s.source + src.at(n, g * Ig + i + 1, r0, 0));
+          for (int64_t b = 0; b < prefetch_bytes; b += 64) __builtin_prefetch(next + b);
         }
         if (!split) {
           fill_padded_rows(isa, plane, src.c, src.d, s.rows.source, s.cols.source,
@@ -1060,7 +1059,7 @@ template <class T>
 void run_weight_gradient_pixels(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   using A = acc_t<T>;
   constexpr bool kInPlace = std::is_same_v<T, A>;
-  constexpr int64_t kSlicePixels = 2048, kChunkPixels = kPixelChunk;
+  constexpr int64_t kSlicePixels = 2048;
   const CpuLoops<A>& isa = loops<A>();
   const bool nchw = p.layout == ConvLayout::kNCHW;  // float32 / float64 only
   const int64_t Og = p.filters_per_group(), Ig = p.channels_per_group(), G = p.groups;
@@ -1072,8 +1071,8 @@ void run_weight_gradient_pixels(const T* dy, const T* x, T* dw, const ConvProble
   std::vector<A> partial(G * slices * slice_elements);
   parallel_for(G * slices, 1, [&](int64_t begin, int64_t end) {
     // Half types: a chunk's pixels of the group, widened; NCHW: a chunk of dy's pixels.
-    ThreadScratch<A> x_chunk(0, kInPlace ? 0 : kChunkPixels * Ig);
-    ThreadScratch<A> dy_chunk(1, kInPlace && !nchw ? 0 : kChunkPixels * Og);
+    ThreadScratch<A> x_chunk(0, kInPlace ? 0 : kPixelChunk * Ig);
+    ThreadScratch<A> dy_chunk(1, kInPlace && !nchw ? 0 : kPixelChunk * Og);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / slices, s = item % slices;
       const int64_t p0 = std::min(pixels, s * per_slice), p1 = std::min(pixels, p0 + per_slice);
@@ -1082,7 +1081,7 @@ void run_weight_gradient_pixels(const T* dy, const T* x, T* dw, const ConvProble
       b.partial = partial.data() + item * slice_elements, b.partial_pitch = pitch;
       b.first = true;  // (an empty slice leaves its partial as constructed: zeros)
       for (int64_t c0 = p0; c0 < p1; c0 += b.pixels) {  // a chunk of pixels stays in cache
-        b.pixels = std::min(kChunkPixels, p1 - c0);
+        b.pixels = std::min(kPixelChunk, p1 - c0);
         b.x_channel_step = 1;
         const T* xs = x + c0 * p.C + g * Ig;
         const T* dys = dy + c0 * p.K + g * Og;
@@ -1231,7 +1230,6 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   // 256->256 14^2 0.91x; channels last 3x3/2 0.75-0.80x; docs/performance.md). Other filter
   // counts keep the dot products (a partial register block copies every position's filters).
   const bool outer = Kg % isa.pixel_filter_block == 0;
-  const int64_t k_pitch = Kg;
   auto sum_block = [&](const WeightGradientBlock<A>& blk, A* partial_block, A* scratch) {
     if (!outer) {
       isa.weight_gradient(blk, Kg, partial_block, Cg * RS);
@@ -1242,10 +1240,10 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
     // i / Q * pitch + i % Q.
     const int64_t channels = blk.columns / RS;
     A* chunk = scratch;                    // [kPixelChunk][Kg]: dy's positions, pixel-major
-    A* sums = scratch + kPixelChunk * Kg;  // [channels * RS][k_pitch]
+    A* sums = scratch + kPixelChunk * Kg;  // [channels * RS][Kg]
     PixelGradient<A> b{};
     b.channels = channels, b.filters = Kg, b.x_step = 1, b.x_channel_step = x_plane;
-    b.dy = chunk, b.dy_step = Kg, b.partial_pitch = RS * k_pitch;
+    b.dy = chunk, b.dy_step = Kg, b.partial_pitch = RS * Kg;
     b.run = p.Q, b.run_skip = pitch - p.Q;
     const int64_t positions = p.P * p.Q;
     for (int64_t n = 0; n < blk.images; ++n)
@@ -1258,20 +1256,20 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
         for (int64_t t = 0; t < RS; ++t) {
           b.x = blk.x + n * blk.x_image_pitch + blk.column_offset[t] + i0 / p.Q * pitch +
                 i0 % p.Q;
-          b.partial = sums + t * k_pitch;
+          b.partial = sums + t * Kg;
           isa.pixel_gradient(b);
         }
       }
     for (int64_t k = 0; k < Kg; ++k)
       for (int64_t j = 0; j < channels * RS; ++j)
-        partial_block[k * Cg * RS + j] += sums[j * k_pitch + k];
+        partial_block[k * Cg * RS + j] += sums[j * Kg + k];
   };
   const int64_t work = std::max<int64_t>(1, per_slice * Kg * channel_block * RS * p.P * p.Q);
   parallel_for(slices * p.groups * blocks, std::max<int64_t>(1, (int64_t(1) << 16) / work),
                [&](int64_t begin, int64_t end) {
     ThreadScratch<A> x_buffer(0, in_place ? 0 : per_slice * channel_block * x_plane);
     ThreadScratch<A> dy_buffer(1, in_place ? 0 : per_slice * Kg * dy_plane);
-    ThreadScratch<A> outer_buffer(2, outer ? kPixelChunk * Kg + channel_block * RS * k_pitch : 0);
+    ThreadScratch<A> outer_buffer(2, outer ? kPixelChunk * Kg + channel_block * RS * Kg : 0);
     int64_t staged = -1;  // the (slice, group) whose dy is in dy_buffer
     for (int64_t item = begin; item < end; ++item) {
       const int64_t slice = item / (p.groups * blocks), g = item / blocks % p.groups;
