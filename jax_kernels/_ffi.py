@@ -139,12 +139,15 @@ def call_with_cuda_scratch(
     *args: Any,
     scratch_bytes: Callable[[], int],
     cpu_scratch: bool = False,
+    plain_target: str | None = None,
     **attributes: Any,
 ) -> Any:
     """Emits ``target`` on ``args`` -> ``result``, whose CUDA handler also takes temporary memory
     from XLA as an extra ``uint8`` result (dropped here) of ``scratch_bytes()`` bytes, asked at
     trace time when the CUDA branch is traced (it may raise for a problem the CUDA kernels cannot
-    take). The CPU handler takes no scratch result, or an empty one when ``cpu_scratch``."""
+    take). The CPU handler takes no scratch result, or an empty one when ``cpu_scratch``. With
+    ``plain_target``, a target without scratch, the CPU emits that one instead, and so does CUDA
+    where ``scratch_bytes()`` is 0."""
 
     def with_scratch(nbytes: int) -> Callable[..., Any]:
         def emit(*args: Any) -> Any:
@@ -153,14 +156,21 @@ def call_with_cuda_scratch(
         return emit
 
     def on_cpu(*args: Any) -> Any:
+        if plain_target is not None:
+            return call(plain_target, result, *args, **attributes)
         if cpu_scratch:
             return with_scratch(0)(*args)
         return call(target, result, *args, **attributes)
+
+    def on_cuda(*args: Any) -> Any:
+        nbytes = scratch_bytes()
+        if plain_target is not None and nbytes == 0:
+            return call(plain_target, result, *args, **attributes)
+        return with_scratch(nbytes)(*args)
 
     platforms = _LOWERING_PLATFORMS.get()
     if not CUDA_BUILT or (platforms is not None and "cuda" not in platforms):
         return on_cpu(*args)
     if platforms == ("cuda",):
-        return with_scratch(scratch_bytes())(*args)
-    return jax.lax.platform_dependent(*args, default=on_cpu,
-                                      cuda=lambda *a: with_scratch(scratch_bytes())(*a))
+        return on_cuda(*args)
+    return jax.lax.platform_dependent(*args, default=on_cpu, cuda=on_cuda)

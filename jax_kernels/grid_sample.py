@@ -237,8 +237,25 @@ def _gather_shape(input, grid, *directions, attrs, maps):
 
 def _gather_emit(input, grid, *directions, attrs, maps):
     out = jax.ShapeDtypeStruct(*_gather_shape(input, grid, attrs=attrs, maps=maps))
-    target = _target(attrs, "fwd_directional" if directions else "fwd")
-    return _ffi.call(target, out, input, grid, *directions, **_ffi_attributes(attrs, maps))
+    if directions or attrs.channels_last:
+        target = _target(attrs, "fwd_directional" if directions else "fwd")
+        return _ffi.call(target, out, input, grid, *directions, **_ffi_attributes(attrs, maps))
+
+    # The channels-first CUDA forward may sample a channels-last copy of the input, in scratch
+    # (forward_copy.cu); where it may not, it asks for none and lowers to the plain target.
+    def scratch_bytes():
+        nbytes = _ffi.query("grid_sample_fwd_scratch", input_elements=int(np.prod(input.shape)),
+                            channels=input.shape[1], dims=grid.shape[-1],
+                            element_bytes=np.dtype(input.dtype).itemsize)
+        if nbytes == _ffi.SIZE_OVERFLOW:
+            raise ValueError(
+                f"grid_sample(): the CUDA forward's copy of an input {tuple(input.shape)} needs "
+                "more scratch memory than a 64-bit size can describe")
+        return nbytes
+
+    return _ffi.call_with_cuda_scratch("jk_grid_sample_fwd_adaptive", out, input, grid,
+                                       scratch_bytes=scratch_bytes, plain_target="jk_grid_sample_fwd",
+                                       **_ffi_attributes(attrs, maps))
 
 
 def _gather_jvp(primals, tangents, *, attrs, maps):

@@ -563,6 +563,112 @@ def test_bilinear_corner_sort_matches_the_entries_sort(spatial, padding, align, 
     assert_close(by_corner, np.asarray(expected), dtype)
 
 
+# The channels-first CUDA forward's channels-last copy (forward_copy.cu): channel counts that fill
+# a warp's lanes or not (3: 4 lanes, 8, 33: a slab's tail, 70: a second, short slab), spatial
+# extents that are no multiple of the 32 x 32 transpose tile or of the 32-point output tile.
+COPY_GEOMETRIES = [((2, 33, 37, 41), (29, 45)), ((3, 8, 64, 50), (33, 31)),
+                   ((1, 70, 19, 23), (40, 37)), ((2, 3, 31, 33), (17, 19))]
+
+
+@needs_torch
+@pytest.mark.skipif(not ON_GPU, reason="the CUDA forward's two routes")
+@pytest.mark.parametrize("geometry", COPY_GEOMETRIES, ids=lambda g: "x".join(map(str, g[0])))
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16, jnp.float16),
+                         ids=lambda d: np.dtype(d).name)
+def test_forward_through_a_channels_last_copy(monkeypatch, geometry, dtype):
+    """On far-apart points the channels-first CUDA forward samples a channels-last copy of its
+    input, or its input in place with more loads in flight (the scattered route).
+    JAX_KERNELS_GRID_SAMPLE_COPY=1 takes the copy on every grid (without the survey), =2 the
+    scattered route, =0 neither: the same sums in the same order, so the same bits, for every
+    mode, padding and align_corners, a vmap over grids that shares one input, random and smooth
+    grids; against float64 torch on the same rounded inputs; the programs name the adaptive
+    target only where another route may be taken."""
+    from jax_kernels import _ffi
+    shape, out_hw = geometry
+    rng = np.random.default_rng(31)
+    x = jnp.asarray(rng.standard_normal(shape), dtype)
+    n = shape[0]
+    ys, xs = np.meshgrid(np.linspace(-1, 1, out_hw[0]), np.linspace(-1, 1, out_hw[1]),
+                         indexing="ij")
+    # (off the cells' centres and edges: float32 and float64 coordinates would round ties of
+    # nearest sampling apart)
+    smooth = np.broadcast_to(np.stack([0.9 * xs + 0.1 * ys + 0.0137, 0.9 * ys - 0.1 * xs - 0.0071],
+                                      -1), (n,) + out_hw + (2,))
+    grids = [jnp.asarray(rng.uniform(-1.1, 1.1, (n,) + out_hw + (2,)), dtype),
+             jnp.asarray(smooth, dtype)]
+    options = [("bilinear", "zeros", False), ("nearest", "border", True),
+               ("bicubic", "reflection", False), ("bilinear", "reflection", True)]
+
+    def run():
+        outs, texts = [], []
+        for grid in grids:
+            for mode, padding, align in options:
+                f = jax.jit(lambda x, g: jk.grid_sample(x, g, mode, padding, align))
+                texts.append(f.lower(x, grid).as_text())
+                outs.append(np.asarray(f(x, grid)))
+            pair = jnp.stack([grid, -grid])
+            outs.append(np.asarray(jax.jit(jax.vmap(lambda g: jk.grid_sample(x, g)))(pair)))
+        return outs, texts
+
+    results = {}
+    for switch in ("1", "2", "0"):
+        # The switch sizes the scratch at trace time and is read when the handler runs: trace
+        # and record afresh.
+        monkeypatch.setenv("JAX_KERNELS_GRID_SAMPLE_COPY", switch)
+        jax.clear_caches()
+        results[switch] = run()
+    monkeypatch.delenv("JAX_KERNELS_GRID_SAMPLE_COPY")
+    jax.clear_caches()
+    adaptive = _ffi.target_name("jk_grid_sample_fwd_adaptive")
+    assert all(adaptive in t for t in results["1"][1] + results["2"][1])
+    assert not any(adaptive in t for t in results["0"][1])
+    for copied, scattered, in_place in zip(results["1"][0], results["2"][0], results["0"][0]):
+        assert np.abs(to_numpy64(in_place)).max() > 0
+        assert copied.tobytes() == in_place.tobytes()
+        assert scattered.tobytes() == in_place.tobytes()
+    # and both are grid_sample: against float64 torch
+    tolerance = TORCH_RTOL.get(np.dtype(dtype), REFERENCE_RTOL.get(np.dtype(dtype)))
+    outs = iter(results["1"][0])
+    for grid in grids:
+        tx, tg = (torch.from_numpy(np.array(to_numpy64(a))) for a in (x, grid))
+        for mode, padding, align in options:
+            expected = torch.nn.functional.grid_sample(tx, tg, mode, padding, align).numpy()
+            assert_close(next(outs), expected, rtol_=tolerance)
+        expected = [torch.nn.functional.grid_sample(tx, s * tg, align_corners=False).numpy()
+                    for s in (1, -1)]
+        assert_close(next(outs), np.stack(expected), rtol_=tolerance)
+
+
+@needs_torch
+@pytest.mark.skipif(not ON_GPU, reason="the CUDA forward's survey")
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16), ids=lambda d: np.dtype(d).name)
+def test_forward_survey_keeps_the_bits(monkeypatch, dtype):
+    """Inputs large enough for the survey (no switch set): on a random grid and on a smooth one
+    the survey picks a route per call; any gives the bits of the in-place forward
+    (JAX_KERNELS_GRID_SAMPLE_COPY=0), of the copy (=1) and of the scattered route (=2), with 64
+    channels (which may take the copy) and 16 (which may not). The survey starts at 16 MiB
+    here (64 by default), to keep the inputs small."""
+    monkeypatch.setenv("JAX_KERNELS_GRID_SAMPLE_SURVEY_MIB", "16")
+    rng = np.random.default_rng(32)
+    inputs = [jnp.asarray(rng.standard_normal((8, 64, 128, 136)), dtype),
+              jnp.asarray(rng.standard_normal((8, 16, 256, 272)), dtype)]
+    ys, xs = np.meshgrid(np.linspace(-1, 1, 90), np.linspace(-1, 1, 100), indexing="ij")
+    grids = [jnp.asarray(rng.uniform(-1, 1, (8, 90, 100, 2)), dtype),
+             jnp.asarray(np.broadcast_to(np.stack([xs, ys], -1), (8, 90, 100, 2)), dtype)]
+    results = {}
+    for switch in ("", "0", "1", "2"):
+        if switch:
+            monkeypatch.setenv("JAX_KERNELS_GRID_SAMPLE_COPY", switch)
+        else:
+            monkeypatch.delenv("JAX_KERNELS_GRID_SAMPLE_COPY", raising=False)
+        jax.clear_caches()
+        f = jax.jit(lambda x, g: jk.grid_sample(x, g))
+        results[switch] = [np.asarray(f(x, g)).tobytes() for x in inputs for g in grids]
+    monkeypatch.delenv("JAX_KERNELS_GRID_SAMPLE_COPY")
+    jax.clear_caches()
+    assert results[""] == results["0"] == results["1"] == results["2"]
+
+
 @pytest.mark.skipif(torch is None or not torch.cuda.is_available(), reason="needs torch CUDA")
 @pytest.mark.parametrize("dtype", (jnp.float32, jnp.float64), ids=("float32", "float64"))
 @pytest.mark.parametrize("rank,mode", RANK_MODES)

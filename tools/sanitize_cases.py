@@ -112,6 +112,15 @@ def grid_sample_cases(dtype):
                                                          data_format=data_format)
                                           .astype(jnp.float32))
                 jax.block_until_ready(jax.grad(op, argnums=(0, 1))(one, grid))
+    # The channels-first forward's survey and channels-last copy (forward_copy.cu): an input
+    # large enough for the survey, on a random grid (far-apart points: the copy) and on a smooth
+    # one (in place). JAX_KERNELS_GRID_SAMPLE_COPY=1 sends the small cases above through the copy.
+    if dtype != jnp.float64:
+        big = rand(2, 16, 256, 260, dtype=dtype)
+        ys, xs = np.meshgrid(np.linspace(-1, 1, 64), np.linspace(-1, 1, 70), indexing="ij")
+        smooth = jnp.asarray(np.broadcast_to(np.stack([xs, ys], -1), (2, 64, 70, 2)), dtype)
+        for grid in (rand(2, 64, 70, 2, dtype=dtype), smooth):
+            jax.block_until_ready(jk.grid_sample(big, grid))
 
 
 def conv2d_cases(dtype):

@@ -236,6 +236,16 @@ ffi::Error grid_sample_forward(ffi::AnyBuffer input, ffi::AnyBuffer grid,
   });
 }
 
+// jk_grid_sample_fwd_adaptive: on CUDA the forward that may sample a channels-last copy of its
+// input, in its scratch (forward_copy.cu). The Python side emits it for CUDA only; the CPU
+// registers it too (every target exists on every platform), ignores the scratch and samples in
+// place.
+ffi::Error grid_sample_forward_adaptive(ffi::AnyBuffer input, ffi::AnyBuffer grid,
+                                        ffi::Result<ffi::AnyBuffer> out,
+                                        ffi::Result<ffi::AnyBuffer>, GridSampleAttrs attrs) {
+  return grid_sample_forward<GridSampleLayout::kChannelsFirst>(input, grid, out, attrs);
+}
+
 // The scratch result exists for the CUDA deterministic path; on the CPU it is empty.
 template <GridSampleLayout kLayout>
 ffi::Error grid_sample_backward_input(ffi::AnyBuffer dout, ffi::AnyBuffer grid,
@@ -319,8 +329,18 @@ namespace jax_kernels {
 JK_GRID_SAMPLE_CPU_HANDLERS(GridSample, GridSampleLayout::kChannelsFirst);
 JK_GRID_SAMPLE_CPU_HANDLERS(GridSampleNhwc, GridSampleLayout::kChannelsLast);
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GridSampleForwardAdaptiveCpu, grid_sample_forward_adaptive,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attrs<GridSampleAttrs>());
+
 JK_REGISTER_TARGET("jk_grid_sample_fwd", GridSampleForwardCpu, "grid_sample", "forward",
                    "cpu tiled gather", "bitwise");
+JK_REGISTER_TARGET("jk_grid_sample_fwd_adaptive", GridSampleForwardAdaptiveCpu, "grid_sample",
+                   "forward", "cpu tiled gather (the scratch unused)", "bitwise");
 JK_REGISTER_TARGET("jk_grid_sample_bwd_input", GridSampleBackwardInputCpu, "grid_sample",
                    "backward d_input", "cpu ordered scatter per channel range", "bitwise");
 JK_REGISTER_TARGET("jk_grid_sample_bwd_grid", GridSampleBackwardGridCpu, "grid_sample",

@@ -1,7 +1,7 @@
-// What the grid_sample passes (grid_sample.cu) and its directional passes (directional.cu) share
-// on CUDA: launch shapes over output points and the threads' roles in them per layout (Lanes),
-// coordinate and tap loads, the choice of index width,
-// and the deterministic sorted scatter of d_input: every (point, tap) entry keyed by the input
+// What the grid_sample passes (grid_sample.cu, forward_copy.cu) and its directional passes
+// (directional.cu) share on CUDA: launch shapes over output points and the threads' roles in them
+// per layout (Lanes), coordinate and tap loads, the choice of index width, the in-place forward
+// kernel (with the route flag of forward_copy.cu), and the deterministic sorted scatter of d_input: every (point, tap) entry keyed by the input
 // cell it touches, a stable radix sort (CUB) that groups the entries by cell once per call, then
 // one thread per (cell, group of channels) that adds weight * dout in sorted order (channels-last:
 // one thread per (cell, channel), consecutive threads on consecutive channels); for bilinear
@@ -633,6 +633,101 @@ ffi::Error corner_scatter(cudaStream_t stream, const char* op, const GridSampleC
     }
   }
   return launch_status(op);
+}
+
+// ---- forward --------------------------------------------------------------------------------
+
+// The routes of the channels-first forward (forward_copy.cu): in place with every warp slot
+// filled (smooth grids), in place with more loads in flight per thread (scattered points), or
+// over a channels-last copy. Where a call may take several, a survey of its grid writes the
+// route to a flag in its scratch, and the kernels of the routes not taken return at once.
+constexpr int kDirectRoute = 0;
+constexpr int kScatteredRoute = 1;
+constexpr int kCopyRoute = 2;
+
+// Occupancy of the forward: the 2-D bilinear and nearest forward in 4-byte arithmetic with
+// 32-bit indices fits in 32 registers (no spills) with two channels in flight, so it asks for 8
+// blocks (every warp slot) per SM. It is latency-bound: on smooth grids that measured 14%
+// faster on the H100 than the compiler's 40 registers (6 blocks) with four channels in flight;
+// on scattered points 4 blocks with four channels in flight take 16-30% less time (run 13), and
+// the scattered route (forward_copy.cu) launches that shape. The other instances, and every
+// channels-last one, keep the compiler's choice.
+template <class T, class Index, GridSampleMode kMode, int kDims>
+constexpr bool small_point_state() {
+  return sizeof(acc_t<T>) == 4 && sizeof(Index) == 4 && kDims == 2 &&
+         kMode != GridSampleMode::kBicubic;
+}
+
+template <class T, class Index, GridSampleMode kMode, int kDims, bool kScattered = false>
+constexpr int forward_min_blocks() {
+  return small_point_state<T, Index, kMode, kDims>() ? (kScattered ? 4 : 8) : 1;
+}
+
+template <class T, class Index, GridSampleMode kMode, int kDims, GridSampleLayout kLayout,
+          int kMinBlocks = kLayout == GridSampleLayout::kChannelsFirst
+                               ? forward_min_blocks<T, Index, kMode, kDims>()
+                               : 1,
+          int kUnroll = kMinBlocks == 8 ? 2 : 4>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    forward_kernel(const T* __restrict__ input, const T* __restrict__ grid, T* __restrict__ out,
+                   GridSampleCall call, const int* __restrict__ route = nullptr,
+                   int take = kDirectRoute) {
+  using A = acc_t<T>;
+  using Taps = PointTaps<A, Index, kMode, kDims>;
+  using L = Lanes<kLayout>;
+  if (route != nullptr && *route != take) return;
+  const GridSampleGeometry& g = call.geometry;
+  const Index points = Index(g.points), channels = Index(g.channels), cells = Index(g.cells);
+  const RowLayout<kLayout, Index> in_row{channels, cells}, out_row{channels, points};
+  const Index total = Index(g.batch) * points;
+  const GridStride<Index> loop(total, L::points(), L::point());
+  for (Index q = loop.first; q < total; q = loop.next(q)) {
+    const Index m = q / points;
+    const Index p = q - m * points;
+    A coord[kDims];
+    load_coordinates<A, Index, kDims>(grid, Index(call.grid_map(m)), p, points, coord);
+    Taps taps;
+    taps.template compute<false>(g, coord);
+    const T* in = input + Index(call.input_map(m)) * channels * cells;
+    T* o = out + m * channels * points + out_row.at(0, p);
+#pragma unroll(kUnroll)
+    for (Index c = L::slice(); c < channels; c += L::slices()) {
+      const T* plane = in + c * in_row.channel_stride();
+      A sum = A(0);
+      JK_UNROLL
+      for (int t = 0; t < Taps::kCount; ++t)
+        sum += taps.weight[t] * tap_value<A>(plane, taps, t, in_row.position_stride());
+      o[c * out_row.channel_stride()] = from_acc<T>(sum);
+    }
+  }
+}
+
+// Launches the forward of `call` in place (every output point, every channel). With a route
+// flag, its kernel runs only where the flag holds `take`; kScatteredRoute launches the shape
+// with more loads in flight (where the instance has one; the same sums in the same order).
+template <GridSampleLayout kLayout, class T>
+void launch_forward(cudaStream_t stream, const GridSampleCall& call, bool narrow, const T* input,
+                    const T* grid, T* out, const int* route = nullptr,
+                    int take = kDirectRoute) {
+  const GridSampleGeometry& g = call.geometry;
+  const PointLaunch launch = launch_over_points(g.batch * g.points, g.channels, kLayout);
+  dispatch_grid_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
+    with_index(narrow, [&](auto index) {
+      using Index = decltype(index);
+      constexpr GridSampleMode kMode = decltype(mode_c)::value;
+      constexpr int kDims = decltype(dims_c)::value;
+      if constexpr (kLayout == GridSampleLayout::kChannelsFirst) {
+        if (take == kScatteredRoute) {
+          constexpr int kBlocks = forward_min_blocks<T, Index, kMode, kDims, true>();
+          forward_kernel<T, Index, kMode, kDims, kLayout, kBlocks, 4>
+              <<<launch.grid, launch.block, 0, stream>>>(input, grid, out, call, route, take);
+          return;
+        }
+      }
+      forward_kernel<T, Index, kMode, kDims, kLayout>
+          <<<launch.grid, launch.block, 0, stream>>>(input, grid, out, call, route, take);
+    });
+  });
 }
 
 // ---- index width ----------------------------------------------------------------------------

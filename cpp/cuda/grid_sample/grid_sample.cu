@@ -7,7 +7,9 @@
 // loops over channels (split into a few channel slices per point when there are too few points
 // to fill the GPU; d_grid adds the slices in a fixed order through shared memory). Channels-last,
 // the slices are up to a warp of consecutive channels of one point (common.cuh: Lanes), which
-// compute the same taps and read each tap's channels in one coalesced load.
+// compute the same taps and read each tap's channels in one coalesced load. (The forward's
+// kernel is in common.cuh; the NCHW forward that CUDA programs lower to now picks its route on the
+// device: forward_copy.cu.)
 //
 // d_input, deterministic (the default, and always for the half types): the scatter becomes a
 // gather. Every (point, tap) pair is an entry keyed by the input cell it touches; a stable
@@ -42,62 +44,6 @@ namespace jax_kernels {
 namespace {
 
 using namespace grid_sample_cuda;
-
-// ---- forward --------------------------------------------------------------------------------
-
-// Occupancy of the forward: the 2-D bilinear and nearest forward in 4-byte arithmetic with
-// 32-bit indices fits in 32 registers (no spills) with two channels in flight, so it asks for 8
-// blocks (every warp slot) per SM. It is latency-bound: on the H100 that measured 14% faster
-// than the compiler's 40 registers (6 blocks) with four channels in flight
-// (scripts/grid_sample_check.cu sweeps both). The other instances, and every channels-last one,
-// keep the compiler's choice.
-template <class T, class Index, GridSampleMode kMode, int kDims>
-constexpr bool small_point_state() {
-  return sizeof(acc_t<T>) == 4 && sizeof(Index) == 4 && kDims == 2 &&
-         kMode != GridSampleMode::kBicubic;
-}
-
-template <class T, class Index, GridSampleMode kMode, int kDims>
-constexpr int forward_min_blocks() {
-  return small_point_state<T, Index, kMode, kDims>() ? 8 : 1;
-}
-
-template <class T, class Index, GridSampleMode kMode, int kDims, GridSampleLayout kLayout,
-          int kMinBlocks = kLayout == GridSampleLayout::kChannelsFirst
-                               ? forward_min_blocks<T, Index, kMode, kDims>()
-                               : 1,
-          int kUnroll = kMinBlocks == 8 ? 2 : 4>
-__global__ void __launch_bounds__(kThreads, kMinBlocks)
-    forward_kernel(const T* __restrict__ input, const T* __restrict__ grid, T* __restrict__ out,
-                   GridSampleCall call) {
-  using A = acc_t<T>;
-  using Taps = PointTaps<A, Index, kMode, kDims>;
-  using L = Lanes<kLayout>;
-  const GridSampleGeometry& g = call.geometry;
-  const Index points = Index(g.points), channels = Index(g.channels), cells = Index(g.cells);
-  const RowLayout<kLayout, Index> in_row{channels, cells}, out_row{channels, points};
-  const Index total = Index(g.batch) * points;
-  const GridStride<Index> loop(total, L::points(), L::point());
-  for (Index q = loop.first; q < total; q = loop.next(q)) {
-    const Index m = q / points;
-    const Index p = q - m * points;
-    A coord[kDims];
-    load_coordinates<A, Index, kDims>(grid, Index(call.grid_map(m)), p, points, coord);
-    Taps taps;
-    taps.template compute<false>(g, coord);
-    const T* in = input + Index(call.input_map(m)) * channels * cells;
-    T* o = out + m * channels * points + out_row.at(0, p);
-#pragma unroll(kUnroll)
-    for (Index c = L::slice(); c < channels; c += L::slices()) {
-      const T* plane = in + c * in_row.channel_stride();
-      A sum = A(0);
-      JK_UNROLL
-      for (int t = 0; t < Taps::kCount; ++t)
-        sum += taps.weight[t] * tap_value<A>(plane, taps, t, in_row.position_stride());
-      o[c * out_row.channel_stride()] = from_acc<T>(sum);
-    }
-  }
-}
 
 // ---- backward d_grid ------------------------------------------------------------------------
 
@@ -276,19 +222,11 @@ ffi::Error grid_sample_forward(cudaStream_t stream, ffi::AnyBuffer input, ffi::A
   if (g.batch * g.channels * g.points == 0) return ffi::Error::Success();
   const bool narrow =
       fits_32_bits(call, {int64_t(input.element_count()), int64_t(grid.element_count())});
-  const PointLaunch launch = launch_over_points(g.batch * g.points, g.channels, kLayout);
   return dispatch_float(input.element_type(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    dispatch_grid_sampler(call.mode, g.dims, [&](auto mode_c, auto dims_c) {
-      with_index(narrow, [&](auto index) {
-        forward_kernel<T, decltype(index), decltype(mode_c)::value, decltype(dims_c)::value,
-                       kLayout>
-            <<<launch.grid, launch.block, 0, stream>>>(
-                static_cast<const T*>(input.untyped_data()),
-                static_cast<const T*>(grid.untyped_data()), static_cast<T*>(out->untyped_data()),
-                call);
-      });
-    });
+    launch_forward<kLayout>(stream, call, narrow, static_cast<const T*>(input.untyped_data()),
+                            static_cast<const T*>(grid.untyped_data()),
+                            static_cast<T*>(out->untyped_data()));
     return launch_status(op);
   });
 }
