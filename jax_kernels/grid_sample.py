@@ -254,7 +254,8 @@ def _gather_emit(input, grid, *directions, attrs, maps):
         return nbytes
 
     return _ffi.call_with_cuda_scratch("jk_grid_sample_fwd_adaptive", out, input, grid,
-                                       scratch_bytes=scratch_bytes, plain_target="jk_grid_sample_fwd",
+                                       scratch_bytes=scratch_bytes,
+                                       plain_target="jk_grid_sample_fwd",
                                        **_ffi_attributes(attrs, maps))
 
 

@@ -1,13 +1,14 @@
 // What the grid_sample passes (grid_sample.cu, forward_copy.cu) and its directional passes
 // (directional.cu) share on CUDA: launch shapes over output points and the threads' roles in them
 // per layout (Lanes), coordinate and tap loads, the choice of index width, the in-place forward
-// kernel (with the route flag of forward_copy.cu), and the deterministic sorted scatter of d_input: every (point, tap) entry keyed by the input
-// cell it touches, a stable radix sort (CUB) that groups the entries by cell once per call, then
-// one thread per (cell, group of channels) that adds weight * dout in sorted order (channels-last:
-// one thread per (cell, channel), consecutive threads on consecutive channels); for bilinear
-// first-order passes, the same with the points sorted by the corner of their taps
-// (corner_scatter). Its arrays live in XLA-provided scratch laid out by SortedLayout (the host
-// query "grid_sample_bwd_input_scratch" sizes it at trace time, for both passes).
+// kernel (with the route flag of forward_copy.cu), and the deterministic sorted scatter of d_input:
+// every (point, tap) entry keyed by the input cell it touches, a stable radix sort (CUB) that
+// groups the entries by cell once per call, then one thread per (cell, group of channels) that adds
+// weight * dout in sorted order (channels-last: one thread per (cell, channel), consecutive threads
+// on consecutive channels); for bilinear first-order passes, the same with the points sorted by the
+// corner of their taps (corner_scatter). Its arrays live in XLA-provided scratch laid out by
+// SortedLayout (the host query "grid_sample_bwd_input_scratch" sizes it at trace time, for both
+// passes).
 #pragma once
 
 #include <cuda_runtime.h>
