@@ -380,6 +380,42 @@ void fill_padded_rows(const CpuLoops<A>& isa, const T* plane, int64_t row_stride
   }
 }
 
+// One source row of a plane (row `row`, zeros outside the source) into `phases` runs of
+// `phase_len` elements, `phase_pitch` apart: padded column j (source column col_begin + j) goes
+// to run j % phases, place j / phases; what fill_padded_rows writes for one row, with the runs
+// apart. The split forward stages its (row phase, column phase) planes through it: each element
+// written once, in place (it staged each row in a buffer and copied the runs from there, a second
+// pass over every staged element). 3x3/2 64->128 N8 56^2 float32 forward on a 2-core EPYC VM,
+// seven alternating processes: NCHW 2.54-2.85 -> 2.46-2.58 ms, NHWC 3.03-3.39 -> 2.89-3.07, a
+// 3x3/3 17->24 N3 29^2 0.054 -> 0.042; the same bits.
+template <class T, class A>
+void fill_split_row(const CpuLoops<A>& isa, const T* plane, int64_t row_stride,
+                    int64_t col_stride, int64_t source_rows, int64_t source_cols, int64_t row,
+                    int64_t col_begin, int64_t phases, int64_t phase_len, int64_t phase_pitch,
+                    A* out) {
+  const int64_t width = phases * phase_len;
+  const bool inside_rows = row >= 0 && row < source_rows;
+  const int64_t inside_begin = std::clamp<int64_t>(-col_begin, 0, width);
+  const int64_t inside_end = std::clamp<int64_t>(source_cols - col_begin, inside_begin, width);
+  const T* in = plane + row * row_stride + col_begin * col_stride;
+  for (int64_t phase = 0; phase < phases; ++phase) {
+    A* run = out + phase * phase_pitch;
+    // Places whose column place * phases + phase lies in [inside_begin, inside_end).
+    const int64_t lo = inside_rows ? std::min(ceil_div(std::max<int64_t>(inside_begin - phase, 0),
+                                                       phases), phase_len)
+                                   : phase_len;
+    const int64_t hi = inside_rows ? std::clamp<int64_t>(
+                                         ceil_div(std::max<int64_t>(inside_end - phase, 0), phases),
+                                         lo, phase_len)
+                                   : phase_len;
+    std::fill(run, run + lo, A(0));
+    if (hi > lo)
+      widen_row(isa, in + (lo * phases + phase) * col_stride, phases * col_stride, run + lo,
+                hi - lo);
+    std::fill(run + hi, run + phase_len, A(0));
+  }
+}
+
 // ---- Forward and backward data: one stencil pass ------------------------------------------------
 
 // The size of the next block of output channels when `remaining` are left: the stencil loops
@@ -819,7 +855,6 @@ void run_stencil_pass(const StencilPass<T>& s) {
     // the last rows, which only feeds outputs that are dropped.
     ThreadScratch<A> buffer(0, std::max<int64_t>(Ig, 1) *
                                    (split ? split_plane : buffer_rows * row_pitch) + slack + shared);
-    std::vector<A> split_row(split ? row_pitch : 0);
     ThreadScratch<A> staged(1, staged_out ? Og * band * up_y * out_cols : 0);
     ThreadScratch<A> partial(2, flat ? Og * 64 : 0);  // a flat tile's sums, [Og][tile]
     for (int64_t item = begin; item < end; ++item) {
@@ -850,14 +885,11 @@ void run_stencil_pass(const StencilPass<T>& s) {
                            buffer.data() + i * rows * row_pitch);
           continue;
         }
-        for (int64_t t = 0; t < rows; ++t) {  // buffer row t: row phase t % rs, row t / rs
-          fill_padded_rows(isa, plane, src.c, src.d, s.rows.source, s.cols.source,
-                           b0 * rs + row_min + t, 1, col_min, cs, phase_len, split_row.data());
-          for (int64_t c = 0; c < cs; ++c)
-            std::copy_n(split_row.data() + c * phase_len, phase_len,
-                        buffer.data() + i * split_plane +
-                            (((t % rs) * cs + c) * split_rows + t / rs) * phase_len);
-        }
+        for (int64_t t = 0; t < rows; ++t)  // buffer row t: row phase t % rs, row t / rs
+          fill_split_row(isa, plane, src.c, src.d, s.rows.source, s.cols.source,
+                         b0 * rs + row_min + t, col_min, cs, phase_len, split_rows * phase_len,
+                         buffer.data() + i * split_plane +
+                             ((t % rs) * cs * split_rows + t / rs) * phase_len);
       }
       std::fill_n(buffer.data() + Ig * rows * row_pitch, shared, A(0));  // (shared above)
       T* out_group = s.out + dst.at(n, g * Og, 0, 0);
