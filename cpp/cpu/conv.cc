@@ -146,6 +146,8 @@ struct CpuLoops {
   void (*pointwise_pixels)(const PixelBlock<A>&);
   int pixel_filter_block;  // filters per packed weight block of `pointwise_pixels`
   void (*pixel_gradient)(const PixelGradient<A>&);
+  // out[i] = in[2 * i], i < n: a stride-2 phase of a row, in the set's vectors.
+  void (*every_other)(const A* in, A* out, int64_t n);
 };
 
 namespace portable {
@@ -277,9 +279,14 @@ void widen_row(const CpuLoops<A>& isa, const T* src, int64_t stride, A* dst, int
                                         : isa.widen_bf16(bits, dst, n);
     }
   }
-  // Stride 2 (a strided wgrad's x phases) as a constant: the compiler vectorizes it (loads and
-  // shuffles), where the scalar loop took 5-8% of the 3x3/2 wgrad's samples; 3x3/2 64->128 N8
-  // 56^2 float32 wgrad 3.29-3.38 -> 2.94-2.99 ms on a 2-core EPYC VM (alternating processes).
+  // Stride 2 (a strided wgrad's x phases, the strided forward's column phases) as a constant:
+  // the compiler vectorizes it (loads and shuffles), where the scalar loop took 5-8% of the
+  // 3x3/2 wgrad's samples; 3x3/2 64->128 N8 56^2 float32 wgrad 3.29-3.38 -> 2.94-2.99 ms on a
+  // 2-core EPYC VM (alternating processes). Without conversion, in the instruction set's
+  // vectors (this file's own code is built for the baseline set: 4-float shuffles).
+  if constexpr (std::is_same_v<T, A>) {
+    if (stride == 2) return isa.every_other(src, dst, n);
+  }
   if (stride == 2) {
     for (int64_t j = 0; j < n; ++j) dst[j] = to_acc(src[2 * j]);
     return;
@@ -386,8 +393,10 @@ void fill_padded_rows(const CpuLoops<A>& isa, const T* plane, int64_t row_stride
 // apart. The split forward stages its (row phase, column phase) planes through it: each element
 // written once, in place (it staged each row in a buffer and copied the runs from there, a second
 // pass over every staged element). 3x3/2 64->128 N8 56^2 float32 forward on a 2-core EPYC VM,
-// seven alternating processes: NCHW 2.54-2.85 -> 2.46-2.58 ms, NHWC 3.03-3.39 -> 2.89-3.07, a
-// 3x3/3 17->24 N3 29^2 0.054 -> 0.042; the same bits.
+// alternating processes: NCHW 2.54-2.85 -> 2.46-2.58 ms in a first run of seven, level in a
+// second of five (2.46-2.59 against 2.43-2.58, with isa.every_other); NHWC 3.03-3.39 ->
+// 2.89-3.07 and 2.89-2.97 -> 2.76-2.87; a 3x3/3 17->24 N3 29^2 0.052-0.061 -> 0.042-0.051. The
+// same bits.
 template <class T, class A>
 void fill_split_row(const CpuLoops<A>& isa, const T* plane, int64_t row_stride,
                     int64_t col_stride, int64_t source_rows, int64_t source_cols, int64_t row,
