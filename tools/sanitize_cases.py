@@ -4,6 +4,7 @@ roi_align), for compute-sanitizer memcheck on the GPU (tools/gpu_check.sh). Shap
     python tools/sanitize_cases.py [--dtypes float32,bfloat16] [op ...]
     (default: every op and every dtype; ops e.g. conv2d grid_sample)"""
 
+import os
 import sys
 
 import jax
@@ -112,15 +113,20 @@ def grid_sample_cases(dtype):
                                                          data_format=data_format)
                                           .astype(jnp.float32))
                 jax.block_until_ready(jax.grad(op, argnums=(0, 1))(one, grid))
-    # The channels-first forward's survey and channels-last copy (forward_copy.cu): an input
-    # large enough for the survey, on a random grid (far-apart points: the copy) and on a smooth
-    # one (in place). JAX_KERNELS_GRID_SAMPLE_COPY=1 sends the small cases above through the copy.
+    # The channels-first forward's survey (forward_copy.cu), from 4 MiB here (64 by default): a
+    # random grid (far-apart points: the copy, 32 channels), half random (the scattered route)
+    # and smooth (in place). JAX_KERNELS_GRID_SAMPLE_COPY=1 / =2 send the small cases above
+    # through the copy / the scattered route.
     if dtype != jnp.float64:
-        big = rand(2, 16, 256, 260, dtype=dtype)
+        os.environ["JAX_KERNELS_GRID_SAMPLE_SURVEY_MIB"] = "4"
+        big = rand(2, 32, 256, 260, dtype=dtype)
         ys, xs = np.meshgrid(np.linspace(-1, 1, 64), np.linspace(-1, 1, 70), indexing="ij")
-        smooth = jnp.asarray(np.broadcast_to(np.stack([xs, ys], -1), (2, 64, 70, 2)), dtype)
-        for grid in (rand(2, 64, 70, 2, dtype=dtype), smooth):
-            jax.block_until_ready(jk.grid_sample(big, grid))
+        smooth = np.broadcast_to(np.stack([xs, ys], -1), (2, 64, 70, 2))
+        scattered = rng.uniform(-1, 1, size=smooth.shape)
+        half = np.where(rng.random(smooth.shape[:-1] + (1,)) < 0.5, scattered, smooth)
+        for grid in (scattered, half, smooth):
+            jax.block_until_ready(jk.grid_sample(big, jnp.asarray(grid, dtype)))
+        del os.environ["JAX_KERNELS_GRID_SAMPLE_SURVEY_MIB"]
 
 
 def conv2d_cases(dtype):
