@@ -319,79 +319,13 @@ void narrow_row(const CpuLoops<A>& isa, const A* src, T* dst, int64_t n) {
 
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
-// Copies source rows [row_begin, row_begin + rows) of a plane into `out` as padded rows of
-// `phases * phase_len` elements: padded column j (source column col_begin + j) goes to
-// phase j % phases, position j / phases. Everything outside the source reads as zero. Source
-// element (y, x) is plane[y * row_stride + x * col_stride] (col_stride 1: NCHW planes; the
-// channel count: a channel of NHWC).
-template <class T, class A>
-void fill_padded_rows(const CpuLoops<A>& isa, const T* plane, int64_t row_stride,
-                      int64_t col_stride, int64_t source_rows, int64_t source_cols,
-                      int64_t row_begin, int64_t rows, int64_t col_begin, int64_t phases,
-                      int64_t phase_len, A* out) {
-  const int64_t width = phases * phase_len;
-  const int64_t inside_begin = std::clamp<int64_t>(-col_begin, 0, width);
-  const int64_t inside_end = std::clamp<int64_t>(source_cols - col_begin, inside_begin, width);
-  // Rows above and below the source are zeros.
-  const int64_t first = std::clamp<int64_t>(-row_begin, 0, rows);
-  const int64_t last = std::clamp<int64_t>(source_rows - row_begin, first, rows);
-  std::fill(out, out + first * width, A(0));
-  std::fill(out + last * width, out + rows * width, A(0));
-  if constexpr (std::is_same_v<T, A>) {
-    if (phases == 1 && col_stride == 1) {
-      isa.copy_padded_rows(plane + (row_begin + first) * row_stride + col_begin + inside_begin,
-                           row_stride, last - first, inside_begin, inside_end - inside_begin,
-                           width, out + first * width);
-      return;
-    }
-  }
-  // Column j goes to phase j % phases, place j / phases: each phase's columns in a run (the
-  // phase's first column worked out once per phase, not per row or element; below the rows).
-  // Two phases with contiguous columns, the usual stride 2: one loop over pairs of columns.
-  const bool pairs = phases == 2 && col_stride == 1;
-  for (int64_t t = first; t < last; ++t) {
-    A* row = out + t * width;
-    const T* in = plane + (row_begin + t) * row_stride + col_begin * col_stride;
-    if (phases == 1) {
-      std::fill(row, row + inside_begin, A(0));
-      widen_row(isa, in + inside_begin * col_stride, col_stride, row + inside_begin,
-                inside_end - inside_begin);
-      std::fill(row + inside_end, row + width, A(0));
-    } else if (pairs) {
-      std::fill(row, row + width, A(0));
-      int64_t j = inside_begin;
-      if (j % 2 == 1 && j < inside_end) row[phase_len + j / 2] = to_acc(in[j]), ++j;
-      // j is even: columns j + 2i and j + 2i + 1 go to place j / 2 + i of phases 0 and 1.
-      A* even = row + j / 2;
-      A* odd = row + phase_len + j / 2;
-      const T* source = in + j;
-      const int64_t count = (inside_end - j) / 2;
-      for (int64_t i = 0; i < count; ++i) {
-        even[i] = to_acc(source[2 * i]);
-        odd[i] = to_acc(source[2 * i + 1]);
-      }
-      if ((inside_end - j) % 2 == 1) even[count] = to_acc(source[2 * count]);
-    } else {
-      std::fill(row, row + width, A(0));
-    }
-  }
-  if (phases == 1 || pairs) return;
-  for (int64_t phase = 0; phase < phases; ++phase) {
-    const int64_t begin = inside_begin + (phase - inside_begin % phases + phases) % phases;
-    for (int64_t t = first; t < last; ++t) {
-      A* out_phase = out + t * width + phase * phase_len;
-      const T* in = plane + (row_begin + t) * row_stride + col_begin * col_stride;
-      for (int64_t j = begin, place = begin / phases; j < inside_end; j += phases, ++place)
-        out_phase[place] = to_acc(in[j * col_stride]);
-    }
-  }
-}
-
 // One source row of a plane (row `row`, zeros outside the source) into `phases` runs of
 // `phase_len` elements, `phase_pitch` apart: padded column j (source column col_begin + j) goes
-// to run j % phases, place j / phases; what fill_padded_rows writes for one row, with the runs
-// apart. The split forward stages its (row phase, column phase) planes through it: each element
-// written once, in place (it staged each row in a buffer and copied the runs from there, a second
+// to run j % phases, place j / phases. Source element (y, x) is plane[y * row_stride + x *
+// col_stride] (col_stride 1: NCHW planes; the channel count: a channel of NHWC). Each run is
+// one widen_row at stride phases * col_stride (vectorized for 2: isa.every_other).
+// The split forward stages its (row phase, column phase) planes through it, runs in place: each
+// element written once (it staged each row in a buffer and copied the runs from there, a second
 // pass over every staged element). 3x3/2 64->128 N8 56^2 float32 forward on a 2-core EPYC VM,
 // alternating processes: NCHW 2.54-2.85 -> 2.46-2.58 ms in a first run of seven, level in a
 // second of five (2.46-2.59 against 2.43-2.58, with isa.every_other); NHWC 3.03-3.39 ->
@@ -423,6 +357,35 @@ void fill_split_row(const CpuLoops<A>& isa, const T* plane, int64_t row_stride,
                 hi - lo);
     std::fill(run + hi, run + phase_len, A(0));
   }
+}
+
+// Copies source rows [row_begin, row_begin + rows) of a plane into `out` as padded rows of
+// `phases * phase_len` elements, each row's phases in adjacent runs (fill_split_row). Everything
+// outside the source reads as zero.
+template <class T, class A>
+void fill_padded_rows(const CpuLoops<A>& isa, const T* plane, int64_t row_stride,
+                      int64_t col_stride, int64_t source_rows, int64_t source_cols,
+                      int64_t row_begin, int64_t rows, int64_t col_begin, int64_t phases,
+                      int64_t phase_len, A* out) {
+  const int64_t width = phases * phase_len;
+  // Rows above and below the source are zeros.
+  const int64_t first = std::clamp<int64_t>(-row_begin, 0, rows);
+  const int64_t last = std::clamp<int64_t>(source_rows - row_begin, first, rows);
+  std::fill(out, out + first * width, A(0));
+  std::fill(out + last * width, out + rows * width, A(0));
+  if constexpr (std::is_same_v<T, A>) {
+    if (phases == 1 && col_stride == 1) {
+      const int64_t inside_begin = std::clamp<int64_t>(-col_begin, 0, width);
+      const int64_t inside_end = std::clamp<int64_t>(source_cols - col_begin, inside_begin, width);
+      isa.copy_padded_rows(plane + (row_begin + first) * row_stride + col_begin + inside_begin,
+                           row_stride, last - first, inside_begin, inside_end - inside_begin,
+                           width, out + first * width);
+      return;
+    }
+  }
+  for (int64_t t = first; t < last; ++t)
+    fill_split_row(isa, plane, row_stride, col_stride, source_rows, source_cols, row_begin + t,
+                   col_begin, phases, phase_len, phase_len, out + t * width);
 }
 
 // ---- Forward and backward data: one stencil pass ------------------------------------------------
