@@ -564,10 +564,12 @@ def test_bilinear_corner_sort_matches_the_entries_sort(spatial, padding, align, 
 
 
 # The channels-first CUDA forward's channels-last copy (forward_copy.cu): channel counts that fill
-# a warp's lanes or not (3: 4 lanes, 8, 33: a slab's tail, 70: a second, short slab), spatial
-# extents that are no multiple of the 32 x 32 transpose tile or of the 32-point output tile.
+# a warp's lanes or not (3 and 8 of a slab of 32; 33 of 64; 70 of 128; 150: a slab of 128 and a
+# tail of 22), spatial extents that are no multiple of the 32 x 64 transpose tile or of the
+# 32-point output tile.
 COPY_GEOMETRIES = [((2, 33, 37, 41), (29, 45)), ((3, 8, 64, 50), (33, 31)),
-                   ((1, 70, 19, 23), (40, 37)), ((2, 3, 31, 33), (17, 19))]
+                   ((1, 70, 19, 23), (40, 37)), ((2, 3, 31, 33), (17, 19)),
+                   ((2, 150, 21, 19), (23, 35))]
 
 
 @needs_torch
@@ -647,7 +649,7 @@ def test_forward_survey_keeps_the_bits(monkeypatch, dtype):
     the survey picks a route per call; any gives the bits of the in-place forward
     (JAX_KERNELS_GRID_SAMPLE_COPY=0), of the copy (=1) and of the scattered route (=2), with 64
     channels (which may take the copy) and 16 (which may not). The survey starts at 16 MiB
-    here (64 by default), to keep the inputs small."""
+    here (32 by default), to keep the inputs small."""
     monkeypatch.setenv("JAX_KERNELS_GRID_SAMPLE_SURVEY_MIB", "16")
     rng = np.random.default_rng(32)
     inputs = [jnp.asarray(rng.standard_normal((8, 64, 128, 136)), dtype),

@@ -393,6 +393,19 @@ struct alignas(sizeof(A) * kTaps >= 16 ? 16 : sizeof(A) * kTaps) TapWeights {
   A w[kTaps];
 };
 
+// A bilinear point's corner along axis d, plus one (in [0, size]), or -1 when neither of its
+// taps on that axis is valid.
+template <class A, class Index>
+__device__ __forceinline__ int64_t bilinear_axis_corner(const GridSampleGeometry& g, int d,
+                                                        A coord) {
+  AxisTaps<A, Index, 2> axis;
+  axis_taps<GridSampleMode::kBilinear, A, Index>(coord, g.size[d], g.padding, g.align_corners,
+                                                  &axis);
+  if (!axis.valid[0] && !axis.valid[1]) return -1;
+  // valid[0]: corner = index[0] in [0, size); else only tap 1, at cell 0: corner = -1.
+  return axis.valid[0] ? int64_t(axis.index[0]) + 1 : 0;
+}
+
 // The extended-grid corner of a bilinear point (2- or 3-D): (corner + 1) along each axis, flat
 // (x fastest), or -1 when no tap of the point is valid.
 template <class A, class Index, int kDims>
@@ -401,12 +414,8 @@ __device__ __forceinline__ int64_t bilinear_corner(const GridSampleGeometry& g,
   int64_t corner = 0;
   JK_UNROLL
   for (int d = kDims - 1; d >= 0; --d) {
-    AxisTaps<A, Index, 2> axis;
-    axis_taps<GridSampleMode::kBilinear, A, Index>(coord[d], g.size[d], g.padding,
-                                                    g.align_corners, &axis);
-    if (!axis.valid[0] && !axis.valid[1]) return -1;
-    // valid[0]: corner = index[0] in [0, size); else only tap 1, at cell 0: corner = -1.
-    const int64_t shifted = axis.valid[0] ? int64_t(axis.index[0]) + 1 : 0;
+    const int64_t shifted = bilinear_axis_corner<A, Index>(g, d, coord[d]);
+    if (shifted < 0) return -1;
     corner = corner * (g.size[d] + 1) + shifted;
   }
   return corner;

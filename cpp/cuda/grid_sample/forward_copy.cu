@@ -9,18 +9,18 @@
 // sector of its own: the in-place kernel then wants loads in flight (4 blocks, four channels in
 // flight: the scattered route), and with many channels a channels-last copy of the input pays,
 // where a warp reads a tap's channels in one coalesced load (the copy route):
-//   1. copy the input channels last into the scratch (a tiled transpose, 32 x 32 tiles through
-//      shared memory);
-//   2. sample the copy: a block takes 32 consecutive output points and a slab of 128 channels; a
-//      group of up to 32 consecutive threads serves one point, each lane four channels in
-//      flight after computing the point's taps once; the sums go to a shared tile, from which
-//      every warp stores runs of consecutive points of one channel (the output stays channels
-//      first).
+//   1. copy the input channels last into the scratch (a tiled transpose, 32 channels x 64 cells
+//      through shared memory);
+//   2. sample the copy: a block takes 32 consecutive output points, computes their taps once into
+//      shared memory, then for each slab of 128 channels a warp takes four of the points, lane l
+//      channels l, l + 32, ... (every tap load independent of the others, a warp's load 32
+//      consecutive channels); the sums go to a shared tile, from which every warp stores runs of
+//      consecutive points of one channel (the output stays channels first).
 // The host does not see the grid, so the copy kernel surveys it first: every block takes the
 // same kSurveyPairs pairs of neighbouring points, spread evenly over the output, and counts the
 // pairs whose bilinear corners lie more than kFarCells apart (|dx| + |dy|). More than half: the
-// scattered route; more than seven eighths, with at least kCopyMinChannels channels: the copy;
-// else in place. Block 0 writes the route to a flag at the front of the scratch, and the kernels
+// copy where there are at least kCopyMinChannels channels, else the scattered route; else in
+// place (where the copy may be taken, the scattered route is not launched). Block 0 writes the route to a flag at the front of the scratch, and the kernels
 // of the routes not taken read it and return at once. Every block reaches the same count from
 // the same pairs, so the blocks agree without talking to each other.
 //
@@ -37,6 +37,7 @@
 // kSurveyPairs), _COPY_CHANNELS the copy's least channel count, _SURVEY_MIB the least input.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -59,13 +60,13 @@ using namespace grid_sample_cuda;
 constexpr int kSurveyPairs = 64;       // pairs of neighbouring points a survey looks at
 constexpr int64_t kFarCells = 8;       // |dx| + |dy| between corners: a float32 sector's worth
 constexpr int kScatteredFarPairs = kSurveyPairs / 2;  // more far pairs: scattered
-constexpr int kCopyFarPairs = kSurveyPairs * 7 / 8;   // more: the copy, where it may be taken
+constexpr int kCopyFarPairs = kScatteredFarPairs;   // more: the copy, where it may be taken
 constexpr int64_t kCopyMinChannels = 32;
-constexpr int kSurveyMinMiB = 64;  // inputs from 64 MiB: below, the survey's ~5-10 us cost
-                                   // more than the routes save (run 32)
-constexpr int kTileCells = 32;   // the transpose's tile: 32 channels x 32 cells
-constexpr int kTilePoints = 32;  // the sampler's tile: 32 points x kSlab channels
-constexpr int kSlab = 128;
+constexpr int kSurveyMinMiB = 32;  // inputs from 32 MiB: below, the survey's ~5-10 us cost
+                                   // more than the routes save (runs 32-33)
+constexpr int kTileChannels = 32;  // the transpose's tile: 32 channels x 64 cells
+constexpr int kTileCells = 64;
+constexpr int kTilePoints = 32;  // the sampler's tile: 32 points x a slab of 32, 64 or 128 channels
 
 // Of the survey's pairs of neighbouring points (q, q + 1), spread evenly over the output, those
 // whose bilinear corners lie more than kFarCells apart (|dx| + |dy|; pairs across a batch row,
@@ -87,18 +88,14 @@ __device__ int far_pairs(const T* __restrict__ grid, const GridSampleCall& call)
       A here[2], next[2];
       load_coordinates<A, int32_t, 2>(grid, row, p, points, here);
       load_coordinates<A, int32_t, 2>(grid, row, p + 1, points, next);
-      AxisTaps<A, int32_t, 2> a[2], b[2];
       int64_t distance = 0;
       bool inside = true;
       JK_UNROLL
       for (int d = 0; d < 2; ++d) {
-        axis_taps<GridSampleMode::kBilinear, A, int32_t>(here[d], g.size[d], g.padding,
-                                                         g.align_corners, &a[d]);
-        axis_taps<GridSampleMode::kBilinear, A, int32_t>(next[d], g.size[d], g.padding,
-                                                         g.align_corners, &b[d]);
-        inside = inside && (a[d].valid[0] || a[d].valid[1]) && (b[d].valid[0] || b[d].valid[1]);
-        const int64_t step = int64_t(b[d].index[0]) - int64_t(a[d].index[0]);
-        distance += step < 0 ? -step : step;
+        const int64_t a = bilinear_axis_corner<A, int32_t>(g, d, here[d]);
+        const int64_t b = bilinear_axis_corner<A, int32_t>(g, d, next[d]);
+        inside = inside && a >= 0 && b >= 0;
+        distance += b > a ? b - a : a - b;
       }
       far = inside && distance > kFarCells;
     }
@@ -109,8 +106,10 @@ __device__ int far_pairs(const T* __restrict__ grid, const GridSampleCall& call)
 // Surveys the grid and writes the route: kDirectRoute where at most `scattered_at` pairs lie
 // far apart, the copy where more than `copy_at` do and `copy` is given, else kScatteredRoute
 // (scattered_at < 0: no survey, the copy where given). On the copy route it then transposes
-// input [rows][C][cells] to copy [rows][cells][C]. Every block reaches the same count from the
-// same pairs.
+// input [rows][C][cells] to copy [rows][cells][C], a tile of kTileChannels channels x
+// kTileCells cells at a time (each thread eight loads in flight, then eight stores; a warp reads
+// 32 consecutive cells of a channel and writes 32 consecutive channels of a cell). Every block
+// reaches the same count from the same pairs.
 template <class T, class Index>
 __global__ void __launch_bounds__(kThreads)
     survey_and_copy_kernel(const T* __restrict__ input, const T* __restrict__ grid,
@@ -122,95 +121,138 @@ __global__ void __launch_bounds__(kThreads)
                                                                               : kScatteredRoute;
   if (blockIdx.x == 0 && threadIdx.x == 0) *route = taken;
   if (taken != kCopyRoute) return;
-  __shared__ T tile[kTileCells][kTileCells + 1];
+  __shared__ T tile[kTileChannels][kTileCells + 1];
   const Index channels = Index(call.geometry.channels), cells = Index(call.geometry.cells);
-  const Index channel_tiles = (channels + kTileCells - 1) / kTileCells;
+  const Index channel_tiles = (channels + kTileChannels - 1) / kTileChannels;
   const Index cell_tiles = (cells + kTileCells - 1) / kTileCells;
   const Index per_row = channel_tiles * cell_tiles;
   const Index tiles = rows * per_row;
-  const unsigned x = threadIdx.x % kTileCells, y = threadIdx.x / kTileCells;
-  constexpr unsigned kRowsPerPass = kThreads / kTileCells;
+  const unsigned x = threadIdx.x % 32, y = threadIdx.x / 32;
+  constexpr unsigned kRowsPerPass = kThreads / 32;
   const GridStride<Index> loop(tiles, 1, 0);
   for (Index t = loop.first; t < tiles; t = loop.next(t)) {
     const Index b = t / per_row;
     const Index r = t - b * per_row;
-    const Index c0 = (r / cell_tiles) * kTileCells;
+    const Index c0 = (r / cell_tiles) * kTileChannels;
     const Index s0 = (r - (r / cell_tiles) * cell_tiles) * kTileCells;
     const T* from = input + b * channels * cells;
     T* to = copy + b * cells * channels;
-    for (unsigned i = y; i < kTileCells; i += kRowsPerPass) {
-      const Index c = c0 + Index(i), s = s0 + Index(x);
-      if (c < channels && s < cells) tile[i][x] = from[c * cells + s];
+    JK_UNROLL
+    for (unsigned i = 0; i < kTileChannels; i += kRowsPerPass) {
+      JK_UNROLL
+      for (unsigned h = 0; h < kTileCells; h += 32) {
+        const Index c = c0 + Index(i + y), s = s0 + Index(h + x);
+        if (c < channels && s < cells) tile[i + y][h + x] = from[c * cells + s];
+      }
     }
     __syncthreads();
-    for (unsigned i = y; i < kTileCells; i += kRowsPerPass) {
-      const Index s = s0 + Index(i), c = c0 + Index(x);
-      if (c < channels && s < cells) to[s * channels + c] = tile[x][i];
+    JK_UNROLL
+    for (unsigned i = 0; i < kTileCells; i += kRowsPerPass) {
+      const Index s = s0 + Index(i + y), c = c0 + Index(x);
+      if (c < channels && s < cells) to[s * channels + c] = tile[x][i + y];
     }
     __syncthreads();
   }
 }
 
 // Samples the channels-last copy [rows][cells][C] at every output point, writing out
-// [M][C][points]. A block takes kTilePoints points and a slab of kSlab channels at a time: a
-// group of `lanes` (2^lanes_log2, at most 32) consecutive threads serves one point, lane l its
-// channels l, l + lanes, ... of the slab (four in flight), after computing the point's taps once;
-// the groups take the tile's points in turn. Then every warp stores runs of consecutive points
-// of one channel from the shared tile.
-template <class T, class Index, GridSampleMode kMode>
+// [M][C][points], kTilePoints consecutive points at a time:
+//   1. the tile's first kTilePoints threads each compute one point's taps into shared memory
+//      (offsets in the copy, -1 for a tap outside, and weights);
+//   2. for each slab of 32 kGroups channels, warp w takes the tile's points w, w + 8, ..., lane l
+//      channels l, l + 32, ... of the slab: every load of the slab's taps is independent of the
+//      others (a warp's load is 32 consecutive channels of one tap), and the sums go to a shared
+//      tile;
+//   3. every warp stores runs of consecutive points of one channel from the shared tile.
+// kGroups (1, 2 or 4) is the slab's groups of 32 channels; each thread keeps 16 loads in flight
+// (bilinear: 4 points of one group, 2 points of two, or 1 point of four; bicubic, 16 taps of one).
+template <class T, class Index, GridSampleMode kMode, int kGroups>
 __global__ void __launch_bounds__(kThreads)
     copy_forward_kernel(const T* __restrict__ copy, const T* __restrict__ grid,
-                        T* __restrict__ out, GridSampleCall call, const int* __restrict__ route,
-                        int lanes_log2) {
+                        T* __restrict__ out, GridSampleCall call, const int* __restrict__ route) {
   using A = acc_t<T>;
   using Taps = PointTaps<A, Index, kMode, 2>;
+  constexpr int kTaps = Taps::kCount;
+  constexpr unsigned kWarps = kThreads / 32, kPerWarp = kTilePoints / kWarps;
+  constexpr unsigned kSlab = 32 * kGroups, kPerLane = kGroups;
+  constexpr unsigned kPointsInFlight =
+      kPerLane * kTaps >= 16 ? 1 : std::min(kPerWarp, 16 / (kPerLane * kTaps));  // of a warp's
+  static_assert(kPerWarp % kPointsInFlight == 0, "a warp's points in whole steps");
   if (*route != kCopyRoute) return;
   __shared__ A tile[kSlab][kTilePoints + 1];
+  __shared__ Index tap_at[kTaps][kTilePoints];
+  __shared__ A tap_weight[kTaps][kTilePoints];
+  __shared__ Index row_at[kTilePoints], out_at[kTilePoints];  // row_at -1: past the output
   const GridSampleGeometry& g = call.geometry;
   const Index points = Index(g.points), channels = Index(g.channels), cells = Index(g.cells);
   const Index total = Index(g.batch) * points;
   const Index tiles = (total + kTilePoints - 1) / kTilePoints;
-  const unsigned lanes = 1u << lanes_log2;
-  const unsigned lane = threadIdx.x & (lanes - 1), group = threadIdx.x >> lanes_log2;
-  const unsigned groups = kThreads >> lanes_log2;
-  const unsigned per_lane = unsigned(kSlab) >> lanes_log2;
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const GridStride<Index> loop(tiles, 1, 0);
   for (Index t = loop.first; t < tiles; t = loop.next(t)) {
     const Index q0 = t * kTilePoints;
-    for (Index c0 = 0; c0 < channels; c0 += kSlab) {
-      for (unsigned point = group; point < unsigned(kTilePoints); point += groups) {
-        const Index q = q0 + Index(point);
-        if (q >= total) break;
+    if (threadIdx.x < unsigned(kTilePoints)) {
+      const Index q = q0 + Index(threadIdx.x);
+      Index at = -1;
+      Taps taps;
+      if (q < total) {
         const Index m = q / points;
         const Index p = q - m * points;
         A coord[2];
         load_coordinates<A, Index, 2>(grid, Index(call.grid_map(m)), p, points, coord);
-        Taps taps;
         taps.template compute<false>(g, coord);
-        const T* row = copy + Index(call.input_map(m)) * cells * channels + c0;
-        const unsigned count =
-            unsigned(min(Index(kSlab), channels - c0));  // the slab's channels
-#pragma unroll 4
-        for (unsigned k = 0; k < per_lane; ++k) {
-          const unsigned slot = lane + (k << lanes_log2);
-          if (slot >= count) break;
-          const T* plane = row + slot;
-          A sum = A(0);
+        at = Index(call.input_map(m)) * cells * channels;
+        out_at[threadIdx.x] = m * channels * points + p;
+      }
+      JK_UNROLL
+      for (int j = 0; j < kTaps; ++j) {
+        // A tap outside keeps its weight: weight * 0 is NaN where the weight is, as in place.
+        const bool inside = q < total;
+        tap_at[j][threadIdx.x] = inside && taps.valid[j] ? taps.offset[j] * channels : Index(-1);
+        tap_weight[j][threadIdx.x] = inside ? taps.weight[j] : A(0);
+      }
+      row_at[threadIdx.x] = at;
+    }
+    __syncthreads();
+    for (Index c0 = 0; c0 < channels; c0 += kSlab) {
+      const unsigned count = unsigned(min(Index(kSlab), channels - c0));  // the slab's channels
+      // Every load is issued before the first sum: a tap outside the input, a point past the
+      // output or a lane past the slab reads an element inside the copy instead, which the sum
+      // or the store leaves out.
+      JK_UNROLL
+      for (unsigned i0 = 0; i0 < kPerWarp; i0 += kPointsInFlight) {
+        A value[kPointsInFlight][kPerLane][kTaps];
+        JK_UNROLL
+        for (unsigned i = 0; i < kPointsInFlight; ++i) {
+          const unsigned point = warp + (i0 + i) * kWarps;
+          const T* row = copy + max(row_at[point], Index(0)) + c0;
           JK_UNROLL
-          for (int j = 0; j < Taps::kCount; ++j)
-            sum += taps.weight[j] * tap_value<A>(plane, taps, j, channels);
-          tile[slot][point] = sum;
+          for (unsigned k = 0; k < kPerLane; ++k) {
+            const unsigned slot = min(lane + 32 * k, count - 1);
+            JK_UNROLL
+            for (int j = 0; j < kTaps; ++j)
+              value[i][k][j] = to_acc(row[max(tap_at[j][point], Index(0)) + Index(slot)]);
+          }
+        }
+        JK_UNROLL
+        for (unsigned i = 0; i < kPointsInFlight; ++i) {
+          const unsigned point = warp + (i0 + i) * kWarps;
+          JK_UNROLL
+          for (unsigned k = 0; k < kPerLane; ++k) {
+            A sum = A(0);
+            JK_UNROLL
+            for (int j = 0; j < kTaps; ++j)
+              sum += tap_weight[j][point] * (tap_at[j][point] >= 0 ? value[i][k][j] : A(0));
+            tile[lane + 32 * k][point] = sum;
+          }
         }
       }
       __syncthreads();
       constexpr unsigned kSlabItems = unsigned(kSlab) * kTilePoints;
       for (unsigned i = threadIdx.x; i < kSlabItems; i += kThreads) {
         const unsigned slot = i / kTilePoints, point = i % kTilePoints;
-        const Index q = q0 + Index(point), c = c0 + Index(slot);
-        if (q >= total || c >= channels) continue;
-        const Index m = q / points;
-        const Index p = q - m * points;
-        out[(m * channels + c) * points + p] = from_acc<T>(tile[slot][point]);
+        if (slot < count && row_at[point] >= 0)
+          out[out_at[point] + (c0 + Index(slot)) * points] = from_acc<T>(tile[slot][point]);
       }
       __syncthreads();
     }
@@ -319,24 +361,37 @@ ffi::Error grid_sample_forward_adaptive(cudaStream_t stream, ffi::AnyBuffer inpu
         int* route = reinterpret_cast<int*>(base + layout.flag);
         T* copied = r.copy ? reinterpret_cast<T*>(base + layout.copy) : nullptr;
         const int32_t rows = int32_t(elements / (g.channels * g.cells));
-        const int64_t tiles = r.copy ? rows * ((g.channels + kTileCells - 1) / kTileCells) *
+        const int64_t tiles = r.copy ? rows * ((g.channels + kTileChannels - 1) / kTileChannels) *
                                            ((g.cells + kTileCells - 1) / kTileCells)
                                      : 1;
         survey_and_copy_kernel<T, int32_t><<<grid_blocks(tiles, 1, 8), kThreads, 0, stream>>>(
             in, coords, copied, route, call, rows, scattered_at, copy_at);
         if (!forced)
           launch_forward<kLayout>(stream, call, narrow, in, coords, result, route, kDirectRoute);
-        if (!r.copy || !forced)
+        if (!r.copy || (!forced && copy_at > scattered_at))
           launch_forward<kLayout>(stream, call, narrow, in, coords, result, route,
                                   kScatteredRoute);
         if (r.copy) {
-          int lanes_log2 = 0;
-          while (lanes_log2 < 5 && (int64_t{1} << lanes_log2) < g.channels) ++lanes_log2;
           const int64_t tiles_out = (g.batch * g.points + kTilePoints - 1) / kTilePoints;
+          // The slab's groups of 32 channels: no more than the channels need (a lane past them
+          // would load for nothing); bicubic's 16 taps take one group.
+          const int groups = call.mode == GridSampleMode::kBicubic || g.channels <= 32 ? 1
+                             : g.channels <= 64                                      ? 2
+                                                                                     : 4;
           dispatch_grid_sampler(call.mode, 2, [&](auto mode_c, auto) {
-            copy_forward_kernel<T, int32_t, decltype(mode_c)::value>
-                <<<grid_blocks(tiles_out, 1, 8), kThreads, 0, stream>>>(copied, coords, result,
-                                                                        call, route, lanes_log2);
+            constexpr GridSampleMode kMode = decltype(mode_c)::value;
+            const dim3 blocks(grid_blocks(tiles_out, 1, 8));
+            if (kMode == GridSampleMode::kBicubic || groups == 1)
+              copy_forward_kernel<T, int32_t, kMode, 1>
+                  <<<blocks, kThreads, 0, stream>>>(copied, coords, result, call, route);
+            else if constexpr (kMode != GridSampleMode::kBicubic) {
+              if (groups == 2)
+                copy_forward_kernel<T, int32_t, kMode, 2>
+                    <<<blocks, kThreads, 0, stream>>>(copied, coords, result, call, route);
+              else
+                copy_forward_kernel<T, int32_t, kMode, 4>
+                    <<<blocks, kThreads, 0, stream>>>(copied, coords, result, call, route);
+            }
           });
         }
         return launch_status(op);
