@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
 #include <string>
 #include <type_traits>
@@ -148,6 +149,10 @@ struct CpuLoops {
   void (*pixel_gradient)(const PixelGradient<A>&);
   // out[i] = in[2 * i], i < n: a stride-2 phase of a row, in the set's vectors.
   void (*every_other)(const A* in, A* out, int64_t n);
+  // bfloat16 passes on AVX512_BF16 (float only, else nullptr; see conv_loops.inc): pairs of
+  // staged channels into one plane of bfloat16 pairs, and stencil_flat over such planes.
+  void (*interleave_pairs)(const float* even, const float* odd, uint32_t* out, int64_t n);
+  void (*stencil_flat_pairs)(const StencilTile<A>&, const StencilOutput<A>&, A* partial);
 };
 
 namespace portable {
@@ -192,10 +197,28 @@ namespace avx512 {
 #undef JK_CONV_ISA_NAME
 }  // namespace avx512
 #pragma GCC pop_options
+// The same with the AVX512_BF16 dot products, for bfloat16 passes' flat tiles.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c")
+namespace avx512bf16 {
+#define JK_CONV_F16C 1
+#define JK_CONV_BF16_PAIRS 1
+#define JK_CONV_ISA_NAME "avx512bf16"
+#define JK_CONV_VECTOR_BYTES 64
+#define JK_CONV_REGISTERS 32
+#include "conv_loops.inc"
+#undef JK_CONV_VECTOR_BYTES
+#undef JK_CONV_REGISTERS
+#undef JK_CONV_F16C
+#undef JK_CONV_BF16_PAIRS
+#undef JK_CONV_ISA_NAME
+}  // namespace avx512bf16
+#pragma GCC pop_options
 #endif
 
 // The widest instruction set the CPU has, or a narrower one named by JAX_KERNELS_CPU_ISA
-// ("baseline", "avx2"; read once): the tests run the baseline loops on machines with AVX2.
+// ("baseline", "avx2", "avx512": AVX-512 without its bfloat16 dot products; read once): the
+// tests run the baseline loops on machines with AVX2.
 template <class A>
 CpuLoops<A> select_loops() {
   const char* env = std::getenv("JAX_KERNELS_CPU_ISA");
@@ -212,6 +235,10 @@ CpuLoops<A> select_loops() {
   if (wanted != "avx2" && __builtin_cpu_supports("avx512f") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512dq")) {
+    if (wanted != "avx512" && __builtin_cpu_supports("avx512bf16")) {
+      if constexpr (std::is_same_v<A, float>) return avx512bf16::loops_float();
+      if constexpr (std::is_same_v<A, double>) return avx512bf16::loops_double();
+    }
     if constexpr (std::is_same_v<A, float>) return avx512::loops_float();
     if constexpr (std::is_same_v<A, double>) return avx512::loops_double();
   }
@@ -246,7 +273,7 @@ template <class A>
 class ThreadScratch {
  public:
   ThreadScratch(int slot, int64_t n) {
-    thread_local std::vector<A> kept[3];
+    thread_local std::vector<A> kept[4];
     constexpr size_t kLine = 64 / sizeof(A);
     const size_t count = size_t(std::max<int64_t>(n, 1)) + kLine;
     A* base;
@@ -787,6 +814,43 @@ void run_stencil_pass(const StencilPass<T>& s) {
     run_pointwise(s, isa, packed.data(), group_weights, s.bias ? bias.data() : nullptr);
     return;
   }
+  // bfloat16 unit-stride flat tiles on AVX512_BF16 (conv_loops.inc's stencil_flat_pairs): the
+  // staged channels interleaved in pairs (an odd channel count pairs the last with zeros), the
+  // weights likewise, [block][pair][tap][channel of the block], from the packed float32 ones
+  // (exact: they were bfloat16). The decision depends on neither the layout nor the threads.
+  const bool pairs = std::is_same_v<T, bfloat16> && flat && !split &&
+                     isa.stencil_flat_pairs != nullptr && isa.interleave_pairs != nullptr;
+  const int64_t Ip = ceil_div(Ig, 2);
+  std::vector<int64_t> pair_base(up_y * up_x + 1, 0);
+  std::vector<uint32_t> packed_pairs;
+  if (pairs) {
+    for (int64_t phase = 0; phase < up_y * up_x; ++phase)
+      pair_base[phase + 1] = pair_base[phase] + (phase_base[phase + 1] - phase_base[phase]) /
+                                                    std::max<int64_t>(Ig, 1) * Ip;
+    packed_pairs.resize(s.groups * pair_base.back());
+    const auto bits = [](A v) {
+      uint32_t u;
+      std::memcpy(&u, &v, 4);
+      return u;
+    };
+    for (int64_t g = 0; g < s.groups; ++g)
+      for (int64_t phase = 0; phase < up_y * up_x; ++phase) {
+        const int64_t taps = (phase_base[phase + 1] - phase_base[phase]) / std::max<int64_t>(Og * Ig, 1);
+        for (int64_t o0 : block_start) {
+          const int64_t block = channel_block(Og - o0, isa.channel_block);
+          const A* from = packed.data() + g * group_weights + phase_base[phase] + o0 * Ig * taps;
+          uint32_t* to = packed_pairs.data() + g * pair_base.back() + pair_base[phase] + o0 * Ip * taps;
+          for (int64_t ip = 0; ip < Ip; ++ip)
+            for (int64_t tap = 0; tap < taps; ++tap)
+              for (int64_t kk = 0; kk < block; ++kk) {
+                const uint32_t even = bits(from[((2 * ip) * taps + tap) * block + kk]) >> 16;
+                const uint32_t odd = 2 * ip + 1 < Ig
+                    ? bits(from[((2 * ip + 1) * taps + tap) * block + kk]) & 0xffff0000u : 0u;
+                *to++ = even | odd;
+              }
+        }
+      }
+  }
 
   // Bands of phase rows: about 512 KiB of source each, and enough of them for the threads.
   const auto band_source_rows = [&](int64_t band) {
@@ -829,6 +893,7 @@ void run_stencil_pass(const StencilPass<T>& s) {
                                    (split ? split_plane : buffer_rows * row_pitch) + slack + shared);
     ThreadScratch<A> staged(1, staged_out ? Og * band * up_y * out_cols : 0);
     ThreadScratch<A> partial(2, flat ? Og * 64 : 0);  // a flat tile's sums, [Og][tile]
+    ThreadScratch<A> paired(3, pairs ? Ip * buffer_rows * row_pitch + slack + shared : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / (s.groups * bands);
       const int64_t g = item / bands % s.groups;
@@ -864,6 +929,17 @@ void run_stencil_pass(const StencilPass<T>& s) {
                              ((t % rs) * cs * split_rows + t / rs) * phase_len);
       }
       std::fill_n(buffer.data() + Ig * rows * row_pitch, shared, A(0));  // (shared above)
+      uint32_t* pair_planes = reinterpret_cast<uint32_t*>(paired.data());
+      if constexpr (std::is_same_v<A, float>) {
+        if (pairs) {
+          const int64_t plane = rows * row_pitch;
+          for (int64_t ip = 0; ip < Ip; ++ip)
+            isa.interleave_pairs(buffer.data() + 2 * ip * plane,
+                                 2 * ip + 1 < Ig ? buffer.data() + (2 * ip + 1) * plane : nullptr,
+                                 pair_planes + ip * plane, plane);
+          std::fill_n(pair_planes + Ip * plane, shared, 0u);
+        }
+      }
       T* out_group = s.out + dst.at(n, g * Og, 0, 0);
       for (int64_t py = 0; py < up_y; ++py) {
         const int64_t rows_in_band = std::min(b1, s.rows.phase_outputs(py)) - b0;
@@ -900,7 +976,14 @@ void run_stencil_pass(const StencilPass<T>& s) {
           out.rows = rows_in_band;
           out.cols = cols;
           out.bias = s.bias ? bias.data() + g * Og : nullptr;
-          if (flat) {
+          if (pairs) {
+            tile.source = reinterpret_cast<const A*>(pair_planes);
+            tile.channels = Ip;
+            tile.weights = reinterpret_cast<const A*>(packed_pairs.data() + g * pair_base.back() +
+                                                      pair_base[py * up_x + px]);
+            tile.weight_stride = Ip * tile.row_taps * tile.col_taps;
+            isa.stencil_flat_pairs(tile, out, partial.data());
+          } else if (flat) {
             isa.stencil_flat(tile, out, partial.data());
           } else {
             isa.stencil_phase(tile, out);
