@@ -1,6 +1,7 @@
 """The CPU conv2d kernels' instruction-set paths (cpp/cpu/conv.cc): each is selected once per
-process (JAX_KERNELS_CPU_ISA=baseline forces the SSE2 loops on a machine with AVX2), so every test
-here runs its checks in subprocesses, one per instruction set and thread count.
+process (JAX_KERNELS_CPU_ISA=baseline forces the SSE2 loops on a machine with AVX2, =avx512 the
+AVX-512 loops without the bfloat16 dot products), so every test here runs its checks in
+subprocesses, one per instruction set and thread count.
 
 - Dense geometries that reach the flat-tile stencil (at least 4 output channels per group:
   the forward at any stride, its rows and columns split into stride phases when strided, and
@@ -31,7 +32,19 @@ import pytest
 import jax_kernels as jk
 from jk_testing import TORCH_UNAVAILABLE, torch
 
-ISAS = ["baseline", "native"]
+
+
+def _cpu_has(flag):
+    try:
+        with open("/proc/cpuinfo") as f:
+            return flag in f.read().split()
+    except OSError:
+        return False
+
+
+# With AVX512_BF16 the native loops run bfloat16 flat tiles on its dot products (channel
+# pairs); "avx512" keeps float32 tiles on such a CPU, so both are checked there.
+ISAS = ["baseline", "native"] + (["avx512"] if _cpu_has("avx512_bf16") else [])
 
 # (N, C, H, W), (K, C/groups, R, S), options, bias
 DENSE = [

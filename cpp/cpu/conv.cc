@@ -149,9 +149,10 @@ struct CpuLoops {
   void (*pixel_gradient)(const PixelGradient<A>&);
   // out[i] = in[2 * i], i < n: a stride-2 phase of a row, in the set's vectors.
   void (*every_other)(const A* in, A* out, int64_t n);
-  // bfloat16 passes on AVX512_BF16 (float only, else nullptr; see conv_loops.inc): pairs of
-  // staged channels into one plane of bfloat16 pairs, and stencil_flat over such planes.
-  void (*interleave_pairs)(const float* even, const float* odd, uint32_t* out, int64_t n);
+  // bfloat16 passes on AVX512_BF16 (float only, else nullptr; see conv_loops.inc): two
+  // channels' bfloat16 bits as one row of pairs, and stencil_flat over planes of such rows.
+  void (*pair_row)(const uint16_t* even, const uint16_t* odd, int64_t stride, uint32_t* out,
+                   int64_t n);
   void (*stencil_flat_pairs)(const StencilTile<A>&, const StencilOutput<A>&, A* partial);
 };
 
@@ -358,18 +359,18 @@ int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 // second of five (2.46-2.59 against 2.43-2.58, with isa.every_other); NHWC 3.03-3.39 ->
 // 2.89-3.07 and 2.89-2.97 -> 2.76-2.87; a 3x3/3 17->24 N3 29^2 0.052-0.061 -> 0.042-0.051. The
 // same bits.
-template <class T, class A>
-void fill_split_row(const CpuLoops<A>& isa, const T* plane, int64_t row_stride,
-                    int64_t col_stride, int64_t source_rows, int64_t source_cols, int64_t row,
-                    int64_t col_begin, int64_t phases, int64_t phase_len, int64_t phase_pitch,
-                    A* out) {
+// The runs of fill_split_row: f(phase, lo, hi, at) for each phase, where places [lo, hi) of its
+// run take the source elements from plane element `at` on, phases * col_stride apart, and the
+// other places are zeros.
+template <class F>
+void split_row_runs(int64_t row_stride, int64_t col_stride, int64_t source_rows,
+                    int64_t source_cols, int64_t row, int64_t col_begin, int64_t phases,
+                    int64_t phase_len, F&& f) {
   const int64_t width = phases * phase_len;
   const bool inside_rows = row >= 0 && row < source_rows;
   const int64_t inside_begin = std::clamp<int64_t>(-col_begin, 0, width);
   const int64_t inside_end = std::clamp<int64_t>(source_cols - col_begin, inside_begin, width);
-  const T* in = plane + row * row_stride + col_begin * col_stride;
   for (int64_t phase = 0; phase < phases; ++phase) {
-    A* run = out + phase * phase_pitch;
     // Places whose column place * phases + phase lies in [inside_begin, inside_end).
     const int64_t lo = inside_rows ? std::min(ceil_div(std::max<int64_t>(inside_begin - phase, 0),
                                                        phases), phase_len)
@@ -378,12 +379,40 @@ void fill_split_row(const CpuLoops<A>& isa, const T* plane, int64_t row_stride,
                                          ceil_div(std::max<int64_t>(inside_end - phase, 0), phases),
                                          lo, phase_len)
                                    : phase_len;
-    std::fill(run, run + lo, A(0));
-    if (hi > lo)
-      widen_row(isa, in + (lo * phases + phase) * col_stride, phases * col_stride, run + lo,
-                hi - lo);
-    std::fill(run + hi, run + phase_len, A(0));
+    f(phase, lo, hi, row * row_stride + (col_begin + lo * phases + phase) * col_stride);
   }
+}
+
+template <class T, class A>
+void fill_split_row(const CpuLoops<A>& isa, const T* plane, int64_t row_stride,
+                    int64_t col_stride, int64_t source_rows, int64_t source_cols, int64_t row,
+                    int64_t col_begin, int64_t phases, int64_t phase_len, int64_t phase_pitch,
+                    A* out) {
+  split_row_runs(row_stride, col_stride, source_rows, source_cols, row, col_begin, phases,
+                 phase_len, [&](int64_t phase, int64_t lo, int64_t hi, int64_t at) {
+    A* run = out + phase * phase_pitch;
+    std::fill(run, run + lo, A(0));
+    if (hi > lo) widen_row(isa, plane + at, phases * col_stride, run + lo, hi - lo);
+    std::fill(run + hi, run + phase_len, A(0));
+  });
+}
+
+// fill_split_row for two channels' planes at once (even, and odd or none: zeros), as runs of
+// bfloat16 pairs, the low half even's (conv_loops.inc's stencil_flat_pairs).
+void fill_split_pair_row(const CpuLoops<float>& isa, const bfloat16* even, const bfloat16* odd,
+                         int64_t row_stride, int64_t col_stride, int64_t source_rows,
+                         int64_t source_cols, int64_t row, int64_t col_begin, int64_t phases,
+                         int64_t phase_len, int64_t phase_pitch, uint32_t* out) {
+  const auto bits = [](const bfloat16* p) { return reinterpret_cast<const uint16_t*>(p); };
+  split_row_runs(row_stride, col_stride, source_rows, source_cols, row, col_begin, phases,
+                 phase_len, [&](int64_t phase, int64_t lo, int64_t hi, int64_t at) {
+    uint32_t* run = out + phase * phase_pitch;
+    std::fill(run, run + lo, 0u);
+    if (hi > lo)
+      isa.pair_row(bits(even + at), odd ? bits(odd + at) : nullptr, phases * col_stride,
+                   run + lo, hi - lo);
+    std::fill(run + hi, run + phase_len, 0u);
+  });
 }
 
 // Copies source rows [row_begin, row_begin + rows) of a plane into `out` as padded rows of
@@ -814,12 +843,13 @@ void run_stencil_pass(const StencilPass<T>& s) {
     run_pointwise(s, isa, packed.data(), group_weights, s.bias ? bias.data() : nullptr);
     return;
   }
-  // bfloat16 unit-stride flat tiles on AVX512_BF16 (conv_loops.inc's stencil_flat_pairs): the
-  // staged channels interleaved in pairs (an odd channel count pairs the last with zeros), the
-  // weights likewise, [block][pair][tap][channel of the block], from the packed float32 ones
-  // (exact: they were bfloat16). The decision depends on neither the layout nor the threads.
-  const bool pairs = std::is_same_v<T, bfloat16> && flat && !split &&
-                     isa.stencil_flat_pairs != nullptr && isa.interleave_pairs != nullptr;
+  // bfloat16 flat tiles on AVX512_BF16 (conv_loops.inc's stencil_flat_pairs): the source
+  // staged as planes of channel pairs (fill_split_pair_row; an odd channel count pairs the
+  // last with zeros), the weights likewise, [block][pair][tap][channel of the block], from the
+  // packed float32 ones (exact: they were bfloat16). The decision depends on neither the layout
+  // nor the threads.
+  const bool pairs = std::is_same_v<T, bfloat16> && flat && isa.stencil_flat_pairs != nullptr &&
+                     isa.pair_row != nullptr;
   const int64_t Ip = ceil_div(Ig, 2);
   std::vector<int64_t> pair_base(up_y * up_x + 1, 0);
   std::vector<uint32_t> packed_pairs;
@@ -889,11 +919,13 @@ void run_stencil_pass(const StencilPass<T>& s) {
     const int64_t buffer_rows = band_source_rows(band);
     // Every element read is written first, except what flat tiles and partial blocks read past
     // the last rows, which only feeds outputs that are dropped.
-    ThreadScratch<A> buffer(0, std::max<int64_t>(Ig, 1) *
+    ThreadScratch<A> buffer(0, pairs ? 0 : std::max<int64_t>(Ig, 1) *
                                    (split ? split_plane : buffer_rows * row_pitch) + slack + shared);
     ThreadScratch<A> staged(1, staged_out ? Og * band * up_y * out_cols : 0);
     ThreadScratch<A> partial(2, flat ? Og * 64 : 0);  // a flat tile's sums, [Og][tile]
-    ThreadScratch<A> paired(3, pairs ? Ip * buffer_rows * row_pitch + slack + shared : 0);
+    ThreadScratch<A> paired(3, pairs ? Ip * (split ? split_plane : buffer_rows * row_pitch) +
+                                           slack + shared
+                                     : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / (s.groups * bands);
       const int64_t g = item / bands % s.groups;
@@ -909,7 +941,27 @@ void run_stencil_pass(const StencilPass<T>& s) {
       const int64_t r1 = std::clamp<int64_t>(b0 * rs + row_min + rows, r0, s.rows.source);
       const int64_t prefetch_bytes =
           src.d == 1 && r1 > r0 ? ((r1 - r0 - 1) * src.c + s.cols.source) * int64_t(sizeof(T)) : 0;
-      for (int64_t i = 0; i < Ig; ++i) {
+      uint32_t* pair_planes = reinterpret_cast<uint32_t*>(paired.data());
+      if constexpr (std::is_same_v<T, bfloat16>) {
+        if (pairs) {
+          const int64_t plane = split ? split_plane : rows * row_pitch;
+          for (int64_t ip = 0; ip < Ip; ++ip) {
+            const T* even = s.source + src.at(n, g * Ig + 2 * ip, 0, 0);
+            const T* odd = 2 * ip + 1 < Ig ? s.source + src.at(n, g * Ig + 2 * ip + 1, 0, 0)
+                                           : nullptr;
+            // Rows as fill_padded_rows' (one phase) or the split forward's (below).
+            for (int64_t t = 0; t < rows; ++t)
+              fill_split_pair_row(isa, even, odd, src.c, src.d, s.rows.source, s.cols.source,
+                                  b0 * rs + row_min + t, col_min, cs, phase_len,
+                                  split ? split_rows * phase_len : phase_len,
+                                  pair_planes + ip * plane +
+                                      (split ? ((t % rs) * cs * split_rows + t / rs) * phase_len
+                                             : t * row_pitch));
+          }
+          std::fill_n(pair_planes + Ip * plane, shared, 0u);  // (shared above)
+        }
+      }
+      for (int64_t i = 0; i < Ig && !pairs; ++i) {
         const T* plane = s.source + src.at(n, g * Ig + i, 0, 0);
         if (i + 1 < Ig) {
           const char* next =
@@ -928,18 +980,7 @@ void run_stencil_pass(const StencilPass<T>& s) {
                          buffer.data() + i * split_plane +
                              ((t % rs) * cs * split_rows + t / rs) * phase_len);
       }
-      std::fill_n(buffer.data() + Ig * rows * row_pitch, shared, A(0));  // (shared above)
-      uint32_t* pair_planes = reinterpret_cast<uint32_t*>(paired.data());
-      if constexpr (std::is_same_v<A, float>) {
-        if (pairs) {
-          const int64_t plane = rows * row_pitch;
-          for (int64_t ip = 0; ip < Ip; ++ip)
-            isa.interleave_pairs(buffer.data() + 2 * ip * plane,
-                                 2 * ip + 1 < Ig ? buffer.data() + (2 * ip + 1) * plane : nullptr,
-                                 pair_planes + ip * plane, plane);
-          std::fill_n(pair_planes + Ip * plane, shared, 0u);
-        }
-      }
+      if (!pairs) std::fill_n(buffer.data() + Ig * rows * row_pitch, shared, A(0));  // (shared above)
       T* out_group = s.out + dst.at(n, g * Og, 0, 0);
       for (int64_t py = 0; py < up_y; ++py) {
         const int64_t rows_in_band = std::min(b1, s.rows.phase_outputs(py)) - b0;
