@@ -370,6 +370,11 @@ void split_row_runs(int64_t row_stride, int64_t col_stride, int64_t source_rows,
   const bool inside_rows = row >= 0 && row < source_rows;
   const int64_t inside_begin = std::clamp<int64_t>(-col_begin, 0, width);
   const int64_t inside_end = std::clamp<int64_t>(source_cols - col_begin, inside_begin, width);
+  if (phases == 1) {  // (the divisions below, per row, took 5% of a bfloat16 3x3 forward)
+    const int64_t lo = inside_rows ? inside_begin : phase_len;
+    const int64_t hi = inside_rows ? inside_end : phase_len;
+    return f(int64_t(0), lo, hi, row * row_stride + (col_begin + lo) * col_stride);
+  }
   for (int64_t phase = 0; phase < phases; ++phase) {
     // Places whose column place * phases + phase lies in [inside_begin, inside_end).
     const int64_t lo = inside_rows ? std::min(ceil_div(std::max<int64_t>(inside_begin - phase, 0),
@@ -1033,7 +1038,11 @@ void run_stencil_pass(const StencilPass<T>& s) {
       }
       if (staged_out) {
         const int64_t first = b0 * up_y, last = std::min(b1 * up_y, out_rows);
-        if (dst.d == 1) {
+        if (dst.d == 1 && dst.c == out_cols) {  // a channel's rows back to back: one run
+          for (int64_t o = 0; o < Og; ++o)
+            narrow_row(isa, staged.data() + o * band * up_y * out_cols,
+                       out_group + o * dst.b + first * dst.c, (last - first) * out_cols);
+        } else if (dst.d == 1) {
           for (int64_t o = 0; o < Og; ++o)
             for (int64_t y = first; y < last; ++y) {
               const A* in = staged.data() + (o * band * up_y + (y - first)) * out_cols;
