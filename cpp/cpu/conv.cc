@@ -117,6 +117,23 @@ struct PixelGradient {
   int64_t run, run_skip, run_first;
 };
 
+// The outer-product weight gradient of bfloat16 passes over pairs of pixels (conv_loops.inc's
+// pixel_gradient_pairs): partial[c * partial_pitch + k] = (first ? 0 : partial[...]) + the sum
+// over pairs m of dy's pair m of filter k (dy[m * dy_step + k]: pixels 2m and 2m + 1, bfloat16
+// bits, low half first) dotted with x's pair of channel c (the two bfloat16 elements at x + c *
+// x_channel_step + the pair's place). x's pixels run as PixelGradient's, in pairs: runs of even
+// length, even run_first; filters a whole number of kPixelVectors vectors.
+struct PixelGradientPairs {
+  const uint16_t* x;
+  int64_t x_channel_step, channels;
+  const uint32_t* dy;
+  int64_t dy_step, filters, pairs;
+  float* partial;
+  int64_t partial_pitch;
+  bool first;
+  int64_t run, run_skip, run_first;
+};
+
 template <class A>
 struct CpuLoops {
   const char* name;   // the instruction set ("baseline", "avx2", "avx512")
@@ -154,6 +171,7 @@ struct CpuLoops {
   void (*pair_row)(const uint16_t* even, const uint16_t* odd, int64_t stride, uint32_t* out,
                    int64_t n);
   void (*stencil_flat_pairs)(const StencilTile<A>&, const StencilOutput<A>&, A* partial);
+  void (*pixel_gradient_pairs)(const PixelGradientPairs&);
 };
 
 namespace portable {
@@ -1367,7 +1385,19 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   // 256->256 14^2 0.91x; channels last 3x3/2 0.75-0.80x; docs/performance.md). Other filter
   // counts keep the dot products (a partial register block copies every position's filters).
   const bool outer = Kg % isa.pixel_filter_block == 0;
-  auto sum_block = [&](const WeightGradientBlock<A>& blk, A* partial_block, A* scratch) {
+  // bfloat16 outer products on AVX512_BF16 over pairs of pixels (pixel_gradient_pairs): each
+  // chunk of dy packed in pairs of pixels, and x's staged planes narrowed back to bfloat16
+  // (exact). Only with rows of even length (no pair straddles two rows). The decision depends
+  // on neither the layout nor the threads.
+  const bool pair_pixels = std::is_same_v<T, bfloat16> && outer && p.Q % 2 == 0 &&
+                           isa.pixel_gradient_pairs != nullptr;
+  const auto high_half = [](A v) {
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    return u >> 16;
+  };
+  auto sum_block = [&](const WeightGradientBlock<A>& blk, A* partial_block, A* scratch,
+                       const uint16_t* x_pairs) {
     if (!outer) {
       isa.weight_gradient(blk, Kg, partial_block, Cg * RS);
       return;
@@ -1378,6 +1408,12 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
     const int64_t channels = blk.columns / RS;
     A* chunk = scratch;                    // [kPixelChunk][Kg]: dy's positions, pixel-major
     A* sums = scratch + kPixelChunk * Kg;  // [channels * RS][Kg]
+    // [kPixelChunk / 2][Kg]: dy's pixels in pairs (pair_pixels)
+    uint32_t* pair_chunk = reinterpret_cast<uint32_t*>(sums + channels * RS * Kg);
+    PixelGradientPairs q{};
+    q.channels = channels, q.filters = Kg, q.x_channel_step = x_plane;
+    q.dy = pair_chunk, q.dy_step = Kg, q.partial_pitch = RS * Kg;
+    q.run = p.Q, q.run_skip = pitch - p.Q;
     PixelGradient<A> b{};
     b.channels = channels, b.filters = Kg, b.x_step = 1, b.x_channel_step = x_plane;
     b.dy = chunk, b.dy_step = Kg, b.partial_pitch = RS * Kg;
@@ -1390,6 +1426,22 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
         transpose_channels(isa, blk.dy + n * blk.dy_image_pitch + i0, blk.dy_channel_pitch, Kg,
                            b.pixels, chunk, Kg);
         b.first = n == 0 && i0 == 0;
+        if constexpr (std::is_same_v<A, float>) {
+          if (pair_pixels) {
+          for (int64_t m = 0; m < b.pixels / 2; ++m)
+            for (int64_t k = 0; k < Kg; ++k)
+              pair_chunk[m * Kg + k] = high_half(chunk[2 * m * Kg + k]) |
+                                       high_half(chunk[(2 * m + 1) * Kg + k]) << 16;
+          q.pairs = b.pixels / 2, q.run_first = b.run_first, q.first = b.first;
+          for (int64_t t = 0; t < RS; ++t) {
+            q.x = x_pairs + n * blk.x_image_pitch + blk.column_offset[t] + i0 / p.Q * pitch +
+                  i0 % p.Q;
+            q.partial = sums + t * Kg;
+            isa.pixel_gradient_pairs(q);
+          }
+          continue;
+          }
+        }
         for (int64_t t = 0; t < RS; ++t) {
           b.x = blk.x + n * blk.x_image_pitch + blk.column_offset[t] + i0 / p.Q * pitch +
                 i0 % p.Q;
@@ -1406,7 +1458,11 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
                [&](int64_t begin, int64_t end) {
     ThreadScratch<A> x_buffer(0, in_place ? 0 : per_slice * channel_block * x_plane);
     ThreadScratch<A> dy_buffer(1, in_place ? 0 : per_slice * Kg * dy_plane);
-    ThreadScratch<A> outer_buffer(2, outer ? kPixelChunk * Kg + channel_block * RS * Kg : 0);
+    ThreadScratch<A> outer_buffer(
+        2, outer ? kPixelChunk * Kg + channel_block * RS * Kg + (pair_pixels ? kPixelChunk / 2 * Kg : 0)
+                 : 0);
+    ThreadScratch<A> x_pair_buffer(3, pair_pixels ? per_slice * channel_block * x_plane / 2 + 1 : 0);
+    uint16_t* x_pairs = reinterpret_cast<uint16_t*>(x_pair_buffer.data());
     int64_t staged = -1;  // the (slice, group) whose dy is in dy_buffer
     for (int64_t item = begin; item < end; ++item) {
       const int64_t slice = item / (p.groups * blocks), g = item / blocks % p.groups;
@@ -1426,7 +1482,7 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
           block.x_image_pitch = xs.a;
           block.dy = dy + ys.at(first, g * Kg, 0, 0);
           block.dy_image_pitch = ys.a;
-          sum_block(block, partial_block, outer_buffer.data());
+          sum_block(block, partial_block, outer_buffer.data(), nullptr);
           continue;
         }
       }
@@ -1459,11 +1515,14 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
                        x_buffer.data() + n * channel_block * x_plane +
                            (i * col_phases + j) * phase_size,
                        x_plane);
+      if (pair_pixels)
+        for (int64_t j = 0; j < images * channel_block * x_plane; ++j)
+          x_pairs[j] = uint16_t(high_half(x_buffer.data()[j]));
       block.x = x_buffer.data();
       block.x_image_pitch = channel_block * x_plane;
       block.dy = dy_buffer.data();
       block.dy_image_pitch = Kg * dy_plane;
-      sum_block(block, partial_block, outer_buffer.data());
+      sum_block(block, partial_block, outer_buffer.data(), x_pairs);
     }
   });
   // The partials are [K][Cg][R][S]; dw is that (KCRS) or [R][S][Cg][K] (HWIO). One filter's
