@@ -365,11 +365,12 @@ void narrow_row(const CpuLoops<A>& isa, const A* src, T* dst, int64_t n) {
 
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
-// One source row of a plane (row `row`, zeros outside the source) into `phases` runs of
-// `phase_len` elements, `phase_pitch` apart: padded column j (source column col_begin + j) goes
-// to run j % phases, place j / phases. Source element (y, x) is plane[y * row_stride + x *
-// col_stride] (col_stride 1: NCHW planes; the channel count: a channel of NHWC). Each run is
-// one widen_row at stride phases * col_stride (vectorized for 2: isa.every_other).
+// Source rows [row_begin, row_begin + rows) of a plane (zeros outside the source), each into
+// `phases` runs of `phase_len` elements, `phase_pitch` apart: padded column j (source column
+// col_begin + j) goes to run j % phases, place j / phases. Row t's runs start at out_row(t).
+// Source element (y, x) is plane[y * row_stride + x * col_stride] (col_stride 1: NCHW planes;
+// the channel count: a channel of NHWC). Each run is one widen_row at stride phases *
+// col_stride (vectorized for 2: isa.every_other).
 // The split forward stages its (row phase, column phase) planes through it, runs in place: each
 // element written once (it staged each row in a buffer and copied the runs from there, a second
 // pass over every staged element). 3x3/2 64->128 N8 56^2 float32 forward on a 2-core EPYC VM,
@@ -377,59 +378,60 @@ int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 // second of five (2.46-2.59 against 2.43-2.58, with isa.every_other); NHWC 3.03-3.39 ->
 // 2.89-3.07 and 2.89-2.97 -> 2.76-2.87; a 3x3/3 17->24 N3 29^2 0.052-0.061 -> 0.042-0.051. The
 // same bits.
-// The runs of fill_split_row: f(phase, lo, hi, at) for each phase, where places [lo, hi) of its
-// run take the source elements from plane element `at` on, phases * col_stride apart, and the
-// other places are zeros.
+// The runs of fill_split_rows: f(t, phase, lo, hi, at) for each row t and phase, where places
+// [lo, hi) of the run take the source elements from plane element `at` on, phases * col_stride
+// apart, and the other places are zeros. A phase's bounds are the same for every row inside the
+// source: worked out once per phase (per row, their divisions took 5% of a bfloat16 3x3
+// forward and 9% of a strided one).
 template <class F>
-void split_row_runs(int64_t row_stride, int64_t col_stride, int64_t source_rows,
-                    int64_t source_cols, int64_t row, int64_t col_begin, int64_t phases,
-                    int64_t phase_len, F&& f) {
+void split_runs(int64_t row_stride, int64_t col_stride, int64_t source_rows,
+                int64_t source_cols, int64_t row_begin, int64_t rows, int64_t col_begin,
+                int64_t phases, int64_t phase_len, F&& f) {
   const int64_t width = phases * phase_len;
-  const bool inside_rows = row >= 0 && row < source_rows;
   const int64_t inside_begin = std::clamp<int64_t>(-col_begin, 0, width);
   const int64_t inside_end = std::clamp<int64_t>(source_cols - col_begin, inside_begin, width);
-  if (phases == 1) {  // (the divisions below, per row, took 5% of a bfloat16 3x3 forward)
-    const int64_t lo = inside_rows ? inside_begin : phase_len;
-    const int64_t hi = inside_rows ? inside_end : phase_len;
-    return f(int64_t(0), lo, hi, row * row_stride + (col_begin + lo) * col_stride);
-  }
   for (int64_t phase = 0; phase < phases; ++phase) {
     // Places whose column place * phases + phase lies in [inside_begin, inside_end).
-    const int64_t lo = inside_rows ? std::min(ceil_div(std::max<int64_t>(inside_begin - phase, 0),
-                                                       phases), phase_len)
-                                   : phase_len;
-    const int64_t hi = inside_rows ? std::clamp<int64_t>(
-                                         ceil_div(std::max<int64_t>(inside_end - phase, 0), phases),
-                                         lo, phase_len)
-                                   : phase_len;
-    f(phase, lo, hi, row * row_stride + (col_begin + lo * phases + phase) * col_stride);
+    const int64_t lo =
+        std::min(ceil_div(std::max<int64_t>(inside_begin - phase, 0), phases), phase_len);
+    const int64_t hi = std::clamp<int64_t>(
+        ceil_div(std::max<int64_t>(inside_end - phase, 0), phases), lo, phase_len);
+    const int64_t col_at = (col_begin + lo * phases + phase) * col_stride;
+    for (int64_t t = 0; t < rows; ++t) {
+      const int64_t row = row_begin + t;
+      if (row >= 0 && row < source_rows)
+        f(t, phase, lo, hi, row * row_stride + col_at);
+      else
+        f(t, phase, phase_len, phase_len, int64_t(0));
+    }
   }
 }
 
-template <class T, class A>
-void fill_split_row(const CpuLoops<A>& isa, const T* plane, int64_t row_stride,
-                    int64_t col_stride, int64_t source_rows, int64_t source_cols, int64_t row,
-                    int64_t col_begin, int64_t phases, int64_t phase_len, int64_t phase_pitch,
-                    A* out) {
-  split_row_runs(row_stride, col_stride, source_rows, source_cols, row, col_begin, phases,
-                 phase_len, [&](int64_t phase, int64_t lo, int64_t hi, int64_t at) {
-    A* run = out + phase * phase_pitch;
+template <class T, class A, class Out>
+void fill_split_rows(const CpuLoops<A>& isa, const T* plane, int64_t row_stride,
+                     int64_t col_stride, int64_t source_rows, int64_t source_cols,
+                     int64_t row_begin, int64_t rows, int64_t col_begin, int64_t phases,
+                     int64_t phase_len, int64_t phase_pitch, Out&& out_row) {
+  split_runs(row_stride, col_stride, source_rows, source_cols, row_begin, rows, col_begin,
+             phases, phase_len, [&](int64_t t, int64_t phase, int64_t lo, int64_t hi, int64_t at) {
+    A* run = out_row(t) + phase * phase_pitch;
     std::fill(run, run + lo, A(0));
     if (hi > lo) widen_row(isa, plane + at, phases * col_stride, run + lo, hi - lo);
     std::fill(run + hi, run + phase_len, A(0));
   });
 }
 
-// fill_split_row for two channels' planes at once (even, and odd or none: zeros), as runs of
+// fill_split_rows for two channels' planes at once (even, and odd or none: zeros), as runs of
 // bfloat16 pairs, the low half even's (conv_loops.inc's stencil_flat_pairs).
-void fill_split_pair_row(const CpuLoops<float>& isa, const bfloat16* even, const bfloat16* odd,
-                         int64_t row_stride, int64_t col_stride, int64_t source_rows,
-                         int64_t source_cols, int64_t row, int64_t col_begin, int64_t phases,
-                         int64_t phase_len, int64_t phase_pitch, uint32_t* out) {
+template <class Out>
+void fill_split_pair_rows(const CpuLoops<float>& isa, const bfloat16* even, const bfloat16* odd,
+                          int64_t row_stride, int64_t col_stride, int64_t source_rows,
+                          int64_t source_cols, int64_t row_begin, int64_t rows, int64_t col_begin,
+                          int64_t phases, int64_t phase_len, int64_t phase_pitch, Out&& out_row) {
   const auto bits = [](const bfloat16* p) { return reinterpret_cast<const uint16_t*>(p); };
-  split_row_runs(row_stride, col_stride, source_rows, source_cols, row, col_begin, phases,
-                 phase_len, [&](int64_t phase, int64_t lo, int64_t hi, int64_t at) {
-    uint32_t* run = out + phase * phase_pitch;
+  split_runs(row_stride, col_stride, source_rows, source_cols, row_begin, rows, col_begin,
+             phases, phase_len, [&](int64_t t, int64_t phase, int64_t lo, int64_t hi, int64_t at) {
+    uint32_t* run = out_row(t) + phase * phase_pitch;
     std::fill(run, run + lo, 0u);
     if (hi > lo)
       isa.pair_row(bits(even + at), odd ? bits(odd + at) : nullptr, phases * col_stride,
@@ -439,7 +441,7 @@ void fill_split_pair_row(const CpuLoops<float>& isa, const bfloat16* even, const
 }
 
 // Copies source rows [row_begin, row_begin + rows) of a plane into `out` as padded rows of
-// `phases * phase_len` elements, each row's phases in adjacent runs (fill_split_row). Everything
+// `phases * phase_len` elements, each row's phases in adjacent runs (fill_split_rows). Everything
 // outside the source reads as zero.
 template <class T, class A>
 void fill_padded_rows(const CpuLoops<A>& isa, const T* plane, int64_t row_stride,
@@ -462,9 +464,9 @@ void fill_padded_rows(const CpuLoops<A>& isa, const T* plane, int64_t row_stride
       return;
     }
   }
-  for (int64_t t = first; t < last; ++t)
-    fill_split_row(isa, plane, row_stride, col_stride, source_rows, source_cols, row_begin + t,
-                   col_begin, phases, phase_len, phase_len, out + t * width);
+  fill_split_rows(isa, plane, row_stride, col_stride, source_rows, source_cols,
+                  row_begin + first, last - first, col_begin, phases, phase_len, phase_len,
+                  [&](int64_t t) { return out + (first + t) * width; });
 }
 
 // ---- Forward and backward data: one stencil pass ------------------------------------------------
@@ -934,6 +936,11 @@ void run_stencil_pass(const StencilPass<T>& s) {
   const TensorStrides &src = s.source_at, &dst = s.out_at;
   const bool staged_out = !std::is_same_v<T, A> || dst.d != 1;
 
+  // Where buffer row t starts in a channel's buffer: split, row phase t % rs, row t / rs of it
+  // (column phases adjacent); else rows at row_pitch.
+  std::vector<int64_t> row_at(band_source_rows(band));
+  for (int64_t t = 0; t < int64_t(row_at.size()); ++t)
+    row_at[t] = split ? ((t % rs) * cs * split_rows + t / rs) * phase_len : t * row_pitch;
   const int64_t items = s.N * s.groups * bands;
   const int64_t work = std::max<int64_t>(1, Og * Ig * band * out_cols * s.rows.taps * s.cols.taps);
   // Items go to whichever thread is free: each is computed the same way on any thread.
@@ -973,13 +980,10 @@ void run_stencil_pass(const StencilPass<T>& s) {
             const T* odd = 2 * ip + 1 < Ig ? s.source + src.at(n, g * Ig + 2 * ip + 1, 0, 0)
                                            : nullptr;
             // Rows as fill_padded_rows' (one phase) or the split forward's (below).
-            for (int64_t t = 0; t < rows; ++t)
-              fill_split_pair_row(isa, even, odd, src.c, src.d, s.rows.source, s.cols.source,
-                                  b0 * rs + row_min + t, col_min, cs, phase_len,
-                                  split ? split_rows * phase_len : phase_len,
-                                  pair_planes + ip * plane +
-                                      (split ? ((t % rs) * cs * split_rows + t / rs) * phase_len
-                                             : t * row_pitch));
+            fill_split_pair_rows(isa, even, odd, src.c, src.d, s.rows.source, s.cols.source,
+                                 b0 * rs + row_min, rows, col_min, cs, phase_len,
+                                 split ? split_rows * phase_len : phase_len,
+                                 [&](int64_t t) { return pair_planes + ip * plane + row_at[t]; });
           }
           std::fill_n(pair_planes + Ip * plane, shared, 0u);  // (shared above)
         }
@@ -997,11 +1001,9 @@ void run_stencil_pass(const StencilPass<T>& s) {
                            buffer.data() + i * rows * row_pitch);
           continue;
         }
-        for (int64_t t = 0; t < rows; ++t)  // buffer row t: row phase t % rs, row t / rs
-          fill_split_row(isa, plane, src.c, src.d, s.rows.source, s.cols.source,
-                         b0 * rs + row_min + t, col_min, cs, phase_len, split_rows * phase_len,
-                         buffer.data() + i * split_plane +
-                             ((t % rs) * cs * split_rows + t / rs) * phase_len);
+        fill_split_rows(isa, plane, src.c, src.d, s.rows.source, s.cols.source,
+                        b0 * rs + row_min, rows, col_min, cs, phase_len, split_rows * phase_len,
+                        [&](int64_t t) { return buffer.data() + i * split_plane + row_at[t]; });
       }
       if (!pairs) std::fill_n(buffer.data() + Ig * rows * row_pitch, shared, A(0));  // (shared above)
       T* out_group = s.out + dst.at(n, g * Og, 0, 0);
