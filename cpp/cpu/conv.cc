@@ -1391,7 +1391,13 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   // chunk of dy packed in pairs of pixels, and x's staged planes narrowed back to bfloat16
   // (exact). Only with rows of even length (no pair straddles two rows). The decision depends
   // on neither the layout nor the threads.
-  const bool pair_pixels = std::is_same_v<T, bfloat16> && outer && p.Q % 2 == 0 &&
+  // dy's pairs come straight from the tensor (its rows back to back: pixel i of an image is
+  // dy's element i * ys.d): channels first, a 16 x 16 tile of filters x pairs of pixels
+  // transposed in registers (a pair of bfloat16 is one 4-byte element), channels last each pair
+  // of pixels' filters interleaved (pair_row).
+  const bool dy_compact = p.layout == ConvLayout::kNHWC ? ys.c == p.Q * ys.d
+                                                         : ys.d == 1 && ys.c == p.Q;
+  const bool pair_pixels = std::is_same_v<T, bfloat16> && outer && p.Q % 2 == 0 && dy_compact &&
                            isa.pixel_gradient_pairs != nullptr;
   const auto high_half = [](A v) {
     uint32_t u;
@@ -1399,7 +1405,7 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
     return u >> 16;
   };
   auto sum_block = [&](const WeightGradientBlock<A>& blk, A* partial_block, A* scratch,
-                       const uint16_t* x_pairs) {
+                       const uint16_t* x_pairs, const T* dy_tensor) {
     if (!outer) {
       isa.weight_gradient(blk, Kg, partial_block, Cg * RS);
       return;
@@ -1425,16 +1431,29 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
       for (int64_t i0 = 0; i0 < positions; i0 += kPixelChunk) {
         b.pixels = std::min(kPixelChunk, positions - i0);
         b.run_first = i0 % p.Q;
-        transpose_channels(isa, blk.dy + n * blk.dy_image_pitch + i0, blk.dy_channel_pitch, Kg,
-                           b.pixels, chunk, Kg);
         b.first = n == 0 && i0 == 0;
-        if constexpr (std::is_same_v<A, float>) {
+        if constexpr (std::is_same_v<A, float> && std::is_same_v<T, bfloat16>) {
           if (pair_pixels) {
-          for (int64_t m = 0; m < b.pixels / 2; ++m)
+          const int64_t pairs = b.pixels / 2;
+          const T* d = dy_tensor + n * ys.a + i0 * ys.d;
+          if (ys.d == 1) {
+            const int64_t L = isa.lanes, stride = ys.b / 2;  // in pairs
+            const A* in = reinterpret_cast<const A*>(d);
+            const int64_t whole = pairs / L * L;
+            for (int64_t k0 = 0; k0 < Kg; k0 += L)
+              for (int64_t m0 = 0; m0 < whole; m0 += L)
+                isa.transpose_tile(in + k0 * stride + m0, stride,
+                                   reinterpret_cast<A*>(pair_chunk + m0 * Kg + k0), Kg);
             for (int64_t k = 0; k < Kg; ++k)
-              pair_chunk[m * Kg + k] = high_half(chunk[2 * m * Kg + k]) |
-                                       high_half(chunk[(2 * m + 1) * Kg + k]) << 16;
-          q.pairs = b.pixels / 2, q.run_first = b.run_first, q.first = b.first;
+              for (int64_t m = whole; m < pairs; ++m)
+                std::memcpy(pair_chunk + m * Kg + k, d + k * ys.b + 2 * m, 4);
+          } else {
+            const auto bits = [](const T* v) { return reinterpret_cast<const uint16_t*>(v); };
+            for (int64_t m = 0; m < pairs; ++m)
+              isa.pair_row(bits(d + 2 * m * ys.d), bits(d + (2 * m + 1) * ys.d), 1,
+                           pair_chunk + m * Kg, Kg);
+          }
+          q.pairs = pairs, q.run_first = b.run_first, q.first = b.first;
           for (int64_t t = 0; t < RS; ++t) {
             q.x = x_pairs + n * blk.x_image_pitch + blk.column_offset[t] + i0 / p.Q * pitch +
                   i0 % p.Q;
@@ -1444,6 +1463,8 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
           continue;
           }
         }
+        transpose_channels(isa, blk.dy + n * blk.dy_image_pitch + i0, blk.dy_channel_pitch, Kg,
+                           b.pixels, chunk, Kg);
         for (int64_t t = 0; t < RS; ++t) {
           b.x = blk.x + n * blk.x_image_pitch + blk.column_offset[t] + i0 / p.Q * pitch +
                 i0 % p.Q;
@@ -1459,7 +1480,7 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   parallel_for(slices * p.groups * blocks, std::max<int64_t>(1, (int64_t(1) << 16) / work),
                [&](int64_t begin, int64_t end) {
     ThreadScratch<A> x_buffer(0, in_place ? 0 : per_slice * channel_block * x_plane);
-    ThreadScratch<A> dy_buffer(1, in_place ? 0 : per_slice * Kg * dy_plane);
+    ThreadScratch<A> dy_buffer(1, in_place || pair_pixels ? 0 : per_slice * Kg * dy_plane);
     ThreadScratch<A> outer_buffer(
         2, outer ? kPixelChunk * Kg + channel_block * RS * Kg + (pair_pixels ? kPixelChunk / 2 * Kg : 0)
                  : 0);
@@ -1484,11 +1505,11 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
           block.x_image_pitch = xs.a;
           block.dy = dy + ys.at(first, g * Kg, 0, 0);
           block.dy_image_pitch = ys.a;
-          sum_block(block, partial_block, outer_buffer.data(), nullptr);
+          sum_block(block, partial_block, outer_buffer.data(), nullptr, nullptr);
           continue;
         }
       }
-      if (staged != item / blocks) {
+      if (!pair_pixels && staged != item / blocks) {  // (pairs read dy in place)
         staged = item / blocks;
         // Rows at the pitch with zeros past Q, or compact for the outer products (sum_block).
         const int64_t dy_pitch = outer ? p.Q : pitch;
@@ -1531,7 +1552,8 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
       block.x_image_pitch = channel_block * x_plane;
       block.dy = dy_buffer.data();
       block.dy_image_pitch = Kg * dy_plane;
-      sum_block(block, partial_block, outer_buffer.data(), x_pairs);
+      sum_block(block, partial_block, outer_buffer.data(), x_pairs,
+                pair_pixels ? dy + ys.at(first, g * Kg, 0, 0) : nullptr);
     }
   });
   // The partials are [K][Cg][R][S]; dw is that (KCRS) or [R][S][Cg][K] (HWIO). One filter's
