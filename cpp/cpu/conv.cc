@@ -869,7 +869,7 @@ void run_stencil_pass(const StencilPass<T>& s) {
     return;
   }
   // bfloat16 flat tiles on AVX512_BF16 (conv_loops.inc's stencil_flat_pairs): the source
-  // staged as planes of channel pairs (fill_split_pair_row; an odd channel count pairs the
+  // staged as planes of channel pairs (fill_split_pair_rows; an odd channel count pairs the
   // last with zeros), the weights likewise, [block][pair][tap][channel of the block], from the
   // packed float32 ones (exact: they were bfloat16). The decision depends on neither the layout
   // nor the threads.
@@ -888,23 +888,28 @@ void run_stencil_pass(const StencilPass<T>& s) {
       std::memcpy(&u, &v, 4);
       return u;
     };
-    for (int64_t g = 0; g < s.groups; ++g)
-      for (int64_t phase = 0; phase < up_y * up_x; ++phase) {
-        const int64_t taps = (phase_base[phase + 1] - phase_base[phase]) / std::max<int64_t>(Og * Ig, 1);
-        for (int64_t o0 : block_start) {
-          const int64_t block = channel_block(Og - o0, isa.channel_block);
-          const A* from = packed.data() + g * group_weights + phase_base[phase] + o0 * Ig * taps;
-          uint32_t* to = packed_pairs.data() + g * pair_base.back() + pair_base[phase] + o0 * Ip * taps;
-          for (int64_t ip = 0; ip < Ip; ++ip)
-            for (int64_t tap = 0; tap < taps; ++tap)
-              for (int64_t kk = 0; kk < block; ++kk) {
-                const uint32_t even = bits(from[((2 * ip) * taps + tap) * block + kk]) >> 16;
-                const uint32_t odd = 2 * ip + 1 < Ig
-                    ? bits(from[((2 * ip + 1) * taps + tap) * block + kk]) & 0xffff0000u : 0u;
-                *to++ = even | odd;
-              }
-        }
+    // Per (group, phase, block of output channels), in parallel, as the float32 packing above.
+    parallel_for(s.groups * phases * blocks, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t g = item / (phases * blocks), phase = item / blocks % phases;
+        const int64_t o0 = block_start[item % blocks];
+        const int64_t block = channel_block(Og - o0, isa.channel_block);
+        const int64_t taps =
+            (phase_base[phase + 1] - phase_base[phase]) / std::max<int64_t>(Og * Ig, 1);
+        const A* from = packed.data() + g * group_weights + phase_base[phase] + o0 * Ig * taps;
+        uint32_t* to =
+            packed_pairs.data() + g * pair_base.back() + pair_base[phase] + o0 * Ip * taps;
+        for (int64_t ip = 0; ip < Ip; ++ip)
+          for (int64_t tap = 0; tap < taps; ++tap)
+            for (int64_t kk = 0; kk < block; ++kk) {
+              const uint32_t even = bits(from[((2 * ip) * taps + tap) * block + kk]) >> 16;
+              const uint32_t odd =
+                  2 * ip + 1 < Ig ? bits(from[((2 * ip + 1) * taps + tap) * block + kk]) & 0xffff0000u
+                                  : 0u;
+              *to++ = even | odd;
+            }
       }
+    });
   }
 
   // Bands of phase rows: about 512 KiB of source each, and enough of them for the threads.
@@ -1387,10 +1392,9 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
   // 256->256 14^2 0.91x; channels last 3x3/2 0.75-0.80x; docs/performance.md). Other filter
   // counts keep the dot products (a partial register block copies every position's filters).
   const bool outer = Kg % isa.pixel_filter_block == 0;
-  // bfloat16 outer products on AVX512_BF16 over pairs of pixels (pixel_gradient_pairs): each
-  // chunk of dy packed in pairs of pixels, and x's staged planes narrowed back to bfloat16
-  // (exact). Only with rows of even length (no pair straddles two rows). The decision depends
-  // on neither the layout nor the threads.
+  // bfloat16 outer products on AVX512_BF16 over pairs of pixels (pixel_gradient_pairs): x's
+  // staged planes narrowed back to bfloat16 (exact). Only with rows of even length (no pair
+  // straddles two rows). The decision depends on neither the layout nor the threads.
   // dy's pairs come straight from the tensor (its rows back to back: pixel i of an image is
   // dy's element i * ys.d): channels first, a 16 x 16 tile of filters x pairs of pixels
   // transposed in registers (a pair of bfloat16 is one 4-byte element), channels last each pair
