@@ -292,7 +292,7 @@ template <class A>
 class ThreadScratch {
  public:
   ThreadScratch(int slot, int64_t n) {
-    thread_local std::vector<A> kept[4];
+    thread_local std::vector<A> kept[5];
     constexpr size_t kLine = 64 / sizeof(A);
     const size_t count = size_t(std::max<int64_t>(n, 1)) + kLine;
     A* base;
@@ -378,11 +378,12 @@ int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 // second of five (2.46-2.59 against 2.43-2.58, with isa.every_other); NHWC 3.03-3.39 ->
 // 2.89-3.07 and 2.89-2.97 -> 2.76-2.87; a 3x3/3 17->24 N3 29^2 0.052-0.061 -> 0.042-0.051. The
 // same bits.
-// The runs of fill_split_rows: f(t, phase, lo, hi, at) for each row t and phase, where places
-// [lo, hi) of the run take the source elements from plane element `at` on, phases * col_stride
-// apart, and the other places are zeros. A phase's bounds are the same for every row inside the
-// source: worked out once per phase (per row, their divisions took 5% of a bfloat16 3x3
-// forward and 9% of a strided one).
+// The runs of fill_split_rows: f(t, phase, lo, hi, at) for each row t and phase, rows outer (a
+// row's phases read the same source elements), where places [lo, hi) of the run take the source
+// elements from plane element `at` on, phases * col_stride apart, and the other places are
+// zeros. A phase's bounds are the same for every row inside the source: worked out once per
+// call for up to 8 phases (per row, their divisions took 5% of a bfloat16 3x3 forward and 9%
+// of a strided one).
 template <class F>
 void split_runs(int64_t row_stride, int64_t col_stride, int64_t source_rows,
                 int64_t source_cols, int64_t row_begin, int64_t rows, int64_t col_begin,
@@ -390,19 +391,28 @@ void split_runs(int64_t row_stride, int64_t col_stride, int64_t source_rows,
   const int64_t width = phases * phase_len;
   const int64_t inside_begin = std::clamp<int64_t>(-col_begin, 0, width);
   const int64_t inside_end = std::clamp<int64_t>(source_cols - col_begin, inside_begin, width);
-  for (int64_t phase = 0; phase < phases; ++phase) {
-    // Places whose column place * phases + phase lies in [inside_begin, inside_end).
-    const int64_t lo =
-        std::min(ceil_div(std::max<int64_t>(inside_begin - phase, 0), phases), phase_len);
-    const int64_t hi = std::clamp<int64_t>(
-        ceil_div(std::max<int64_t>(inside_end - phase, 0), phases), lo, phase_len);
-    const int64_t col_at = (col_begin + lo * phases + phase) * col_stride;
-    for (int64_t t = 0; t < rows; ++t) {
-      const int64_t row = row_begin + t;
-      if (row >= 0 && row < source_rows)
-        f(t, phase, lo, hi, row * row_stride + col_at);
-      else
-        f(t, phase, phase_len, phase_len, int64_t(0));
+  // Places whose column place * phases + phase lies in [inside_begin, inside_end).
+  const auto bounds = [&](int64_t phase, int64_t* lo, int64_t* hi) {
+    *lo = std::min(ceil_div(std::max<int64_t>(inside_begin - phase, 0), phases), phase_len);
+    *hi = std::clamp<int64_t>(ceil_div(std::max<int64_t>(inside_end - phase, 0), phases), *lo,
+                              phase_len);
+  };
+  constexpr int64_t kKept = 8;
+  int64_t kept_lo[kKept], kept_hi[kKept];
+  for (int64_t phase = 0; phase < std::min(phases, kKept); ++phase)
+    bounds(phase, &kept_lo[phase], &kept_hi[phase]);
+  for (int64_t t = 0; t < rows; ++t) {
+    const int64_t row = row_begin + t;
+    const bool inside = row >= 0 && row < source_rows;
+    for (int64_t phase = 0; phase < phases; ++phase) {
+      int64_t lo = phase_len, hi = phase_len;
+      if (inside && phase < kKept) {
+        lo = kept_lo[phase], hi = kept_hi[phase];
+      } else if (inside) {
+        bounds(phase, &lo, &hi);
+      }
+      f(t, phase, lo, hi, inside ? row * row_stride + (col_begin + lo * phases + phase) * col_stride
+                                 : int64_t(0));
     }
   }
 }
@@ -958,6 +968,7 @@ void run_stencil_pass(const StencilPass<T>& s) {
                                    (split ? split_plane : buffer_rows * row_pitch) + slack + shared);
     ThreadScratch<A> staged(1, staged_out ? Og * band * up_y * out_cols : 0);
     ThreadScratch<A> partial(2, flat ? Og * 64 : 0);  // a flat tile's sums, [Og][tile]
+    ThreadScratch<A> pixel_major(4, staged_out && dst.d != 1 ? 64 * Og : 0);  // (below)
     ThreadScratch<A> paired(3, pairs ? Ip * (split ? split_plane : buffer_rows * row_pitch) +
                                            slack + shared
                                      : 0);
@@ -980,7 +991,36 @@ void run_stencil_pass(const StencilPass<T>& s) {
       if constexpr (std::is_same_v<T, bfloat16>) {
         if (pairs) {
           const int64_t plane = split ? split_plane : rows * row_pitch;
-          for (int64_t ip = 0; ip < Ip; ++ip) {
+          // Channels last (a pixel's channels adjacent, an even pixel stride): 16 pairs at a
+          // time, tiles of 16 places x 16 pairs transposed in registers (a pair is one 4-byte
+          // element), where pair_row reads one 4-byte element per pixel and pair.
+          int64_t transposed = 0;
+          if (src.b == 1 && src.d % 2 == 0) {
+            const int64_t L = isa.lanes, step = cs * src.d / 2;  // 4-byte elements per place
+            const int64_t phase_pitch = split ? split_rows * phase_len : phase_len;
+            transposed = Ig / 2 / L * L;
+            for (int64_t ip0 = 0; ip0 < transposed; ip0 += L) {
+              const T* base = s.source + src.at(n, g * Ig + 2 * ip0, 0, 0);
+              split_runs(src.c, src.d, s.rows.source, s.cols.source, b0 * rs + row_min, rows,
+                         col_min, cs, phase_len,
+                         [&](int64_t t, int64_t phase, int64_t lo, int64_t hi, int64_t at) {
+                uint32_t* run = pair_planes + ip0 * plane + row_at[t] + phase * phase_pitch;
+                for (int64_t j = 0; j < L; ++j) {
+                  std::fill(run + j * plane, run + j * plane + lo, 0u);
+                  std::fill(run + j * plane + hi, run + j * plane + phase_len, 0u);
+                }
+                const A* in = reinterpret_cast<const A*>(base + at);
+                int64_t u = 0;
+                for (; u + L <= hi - lo; u += L)
+                  isa.transpose_tile(in + u * step, step, reinterpret_cast<A*>(run + lo + u),
+                                     plane);
+                for (; u < hi - lo; ++u)
+                  for (int64_t j = 0; j < L; ++j)
+                    std::memcpy(run + j * plane + lo + u, base + at + 2 * (u * step + j), 4);
+              });
+            }
+          }
+          for (int64_t ip = transposed; ip < Ip; ++ip) {
             const T* even = s.source + src.at(n, g * Ig + 2 * ip, 0, 0);
             const T* odd = 2 * ip + 1 < Ig ? s.source + src.at(n, g * Ig + 2 * ip + 1, 0, 0)
                                            : nullptr;
@@ -1075,12 +1115,32 @@ void run_stencil_pass(const StencilPass<T>& s) {
               narrow_row(isa, in, row, out_cols);
             }
         } else {  // channels last: channels innermost in the output
-          const int64_t channel_pitch = band * up_y * out_cols;
+          // Per run of up to 64 pixels of a row, their channels transposed to pixel-major in
+          // registers (16 x 16 tiles), then each pixel's channels converted as one run (an
+          // element at a time, this took a tenth of a bfloat16 3x3 forward).
+          const int64_t channel_pitch = band * up_y * out_cols, L = isa.lanes;
+          A* by_pixel = pixel_major.data();
           for (int64_t y = first; y < last; ++y)
-            for (int64_t x = 0; x < out_cols; ++x) {
-              const A* in = staged.data() + (y - first) * out_cols + x;
-              T* pixel = out_group + y * dst.c + x * dst.d;
-              for (int64_t o = 0; o < Og; ++o) pixel[o * dst.b] = from_acc<T>(in[o * channel_pitch]);
+            for (int64_t x0 = 0; x0 < out_cols; x0 += 64) {
+              const int64_t count = std::min<int64_t>(64, out_cols - x0);
+              const A* in = staged.data() + (y - first) * out_cols + x0;
+              const int64_t whole_u = dst.b == 1 ? count / L * L : 0;
+              const int64_t whole_o = dst.b == 1 ? Og / L * L : 0;
+              for (int64_t o0 = 0; o0 < whole_o; o0 += L)
+                for (int64_t u0 = 0; u0 < whole_u; u0 += L)
+                  isa.transpose_tile(in + o0 * channel_pitch + u0, channel_pitch,
+                                     by_pixel + u0 * Og + o0, Og);
+              for (int64_t u = 0; u < count; ++u)
+                for (int64_t o = u < whole_u ? whole_o : 0; o < Og; ++o)
+                  by_pixel[u * Og + o] = in[o * channel_pitch + u];
+              for (int64_t u = 0; u < count; ++u) {
+                T* pixel = out_group + y * dst.c + (x0 + u) * dst.d;
+                if (dst.b == 1) {
+                  narrow_row(isa, by_pixel + u * Og, pixel, Og);
+                } else {
+                  for (int64_t o = 0; o < Og; ++o) pixel[o * dst.b] = from_acc<T>(by_pixel[u * Og + o]);
+                }
+              }
             }
         }
       }
