@@ -991,11 +991,12 @@ void run_stencil_pass(const StencilPass<T>& s) {
       if constexpr (std::is_same_v<T, bfloat16>) {
         if (pairs) {
           const int64_t plane = split ? split_plane : rows * row_pitch;
-          // Channels last (a pixel's channels adjacent, an even pixel stride): 16 pairs at a
-          // time, tiles of 16 places x 16 pairs transposed in registers (a pair is one 4-byte
-          // element), where pair_row reads one 4-byte element per pixel and pair.
+          // Channels last (a pixel's channels adjacent, an even pixel stride, the group's first
+          // channel at an even element: pairs on 4-byte boundaries): 16 pairs at a time, tiles
+          // of 16 places x 16 pairs transposed in registers (a pair is one 4-byte element),
+          // where pair_row reads one 4-byte element per pixel and pair.
           int64_t transposed = 0;
-          if (src.b == 1 && src.d % 2 == 0) {
+          if (src.b == 1 && src.d % 2 == 0 && src.at(n, g * Ig, 0, 0) % 2 == 0) {
             const int64_t L = isa.lanes, step = cs * src.d / 2;  // 4-byte elements per place
             const int64_t phase_pitch = split ? split_rows * phase_len : phase_len;
             transposed = Ig / 2 / L * L;
