@@ -33,7 +33,6 @@ import jax_kernels as jk
 from jk_testing import TORCH_UNAVAILABLE, torch
 
 
-
 def _cpu_has(flag):
     try:
         with open("/proc/cpuinfo") as f:
@@ -42,8 +41,9 @@ def _cpu_has(flag):
         return False
 
 
-# With AVX512_BF16 the native loops run bfloat16 flat tiles on its dot products (channel
-# pairs); "avx512" keeps float32 tiles on such a CPU, so both are checked there.
+# With AVX512_BF16 the native loops run bfloat16 on its dot products (channel pairs in the flat
+# tiles, pixel pairs in the wgrad's outer products); "avx512" keeps the float32 loops on such a
+# CPU, so both are checked there.
 ISAS = ["baseline", "native"] + (["avx512"] if _cpu_has("avx512_bf16") else [])
 
 # (N, C, H, W), (K, C/groups, R, S), options, bias
