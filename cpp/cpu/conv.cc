@@ -363,6 +363,42 @@ void narrow_row(const CpuLoops<A>& isa, const A* src, T* dst, int64_t n) {
 }
 
 
+// Channels-last pixels into channel planes: out[c * out_pitch + u] = in[u * in_stride + c] for
+// c < channels, u < count; whole lanes x lanes tiles transposed in registers (half types
+// widened first, lanes pixels by up to 128 channels at a time: one element at a time, the
+// staging took a fifth of a channels-last bfloat16 3x3 wgrad), the edges one element at a time.
+// Also any [rows][columns] transpose of 4-byte elements carried as float (bfloat16 pairs): the
+// copies move bits, they compute nothing.
+template <class T, class A>
+void transpose_channels(const CpuLoops<A>& isa, const T* in, int64_t in_stride, int64_t count,
+                        int64_t channels, A* out, int64_t out_pitch) {
+  const int64_t L = isa.lanes;
+  const int64_t whole_u = count / L * L, whole_c = channels / L * L;
+  if constexpr (std::is_same_v<T, A>) {
+    for (int64_t u = 0; u < whole_u; u += L)
+      for (int64_t c = 0; c < whole_c; c += L)
+        isa.transpose_tile(in + u * in_stride + c, in_stride, out + c * out_pitch + u,
+                           out_pitch);
+  } else {
+    constexpr int64_t kChunk = 128;  // channels widened at a time
+    A widened[16 * kChunk];          // lanes (at most 16) pixels x kChunk channels
+    for (int64_t u = 0; u < whole_u; u += L)
+      for (int64_t c0 = 0; c0 < whole_c; c0 += kChunk) {
+        const int64_t n = std::min(kChunk, whole_c - c0);
+        for (int64_t v = 0; v < L; ++v)
+          widen_row(isa, in + (u + v) * in_stride + c0, 1, widened + v * n, n);
+        for (int64_t c = 0; c < n; c += L)
+          isa.transpose_tile(widened + c, n, out + (c0 + c) * out_pitch + u, out_pitch);
+      }
+  }
+  // The rest: channels past the whole tiles for every pixel, pixels past them for the others.
+  for (int64_t c = 0; c < channels; ++c) {
+    A* row = out + c * out_pitch;
+    for (int64_t u = c < whole_c ? whole_u : 0; u < count; ++u)
+      row[u] = to_acc(in[u * in_stride + c]);
+  }
+}
+
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
 // Source rows [row_begin, row_begin + rows) of a plane (zeros outside the source), each into
@@ -1010,14 +1046,8 @@ void run_stencil_pass(const StencilPass<T>& s) {
                   std::fill(run + j * plane, run + j * plane + lo, 0u);
                   std::fill(run + j * plane + hi, run + j * plane + phase_len, 0u);
                 }
-                const A* in = reinterpret_cast<const A*>(base + at);
-                int64_t u = 0;
-                for (; u + L <= hi - lo; u += L)
-                  isa.transpose_tile(in + u * step, step, reinterpret_cast<A*>(run + lo + u),
-                                     plane);
-                for (; u < hi - lo; ++u)
-                  for (int64_t j = 0; j < L; ++j)
-                    std::memcpy(run + j * plane + lo + u, base + at + 2 * (u * step + j), 4);
+                transpose_channels(isa, reinterpret_cast<const A*>(base + at), step, hi - lo, L,
+                                   reinterpret_cast<A*>(run + lo), plane);
               });
             }
           }
@@ -1119,21 +1149,13 @@ void run_stencil_pass(const StencilPass<T>& s) {
           // Per run of up to 64 pixels of a row, their channels transposed to pixel-major in
           // registers (16 x 16 tiles), then each pixel's channels converted as one run (an
           // element at a time, this took a tenth of a bfloat16 3x3 forward).
-          const int64_t channel_pitch = band * up_y * out_cols, L = isa.lanes;
+          const int64_t channel_pitch = band * up_y * out_cols;
           A* by_pixel = pixel_major.data();
           for (int64_t y = first; y < last; ++y)
             for (int64_t x0 = 0; x0 < out_cols; x0 += 64) {
               const int64_t count = std::min<int64_t>(64, out_cols - x0);
               const A* in = staged.data() + (y - first) * out_cols + x0;
-              const int64_t whole_u = dst.b == 1 ? count / L * L : 0;
-              const int64_t whole_o = dst.b == 1 ? Og / L * L : 0;
-              for (int64_t o0 = 0; o0 < whole_o; o0 += L)
-                for (int64_t u0 = 0; u0 < whole_u; u0 += L)
-                  isa.transpose_tile(in + o0 * channel_pitch + u0, channel_pitch,
-                                     by_pixel + u0 * Og + o0, Og);
-              for (int64_t u = 0; u < count; ++u)
-                for (int64_t o = u < whole_u ? whole_o : 0; o < Og; ++o)
-                  by_pixel[u * Og + o] = in[o * channel_pitch + u];
+              transpose_channels(isa, in, channel_pitch, Og, count, by_pixel, Og);
               for (int64_t u = 0; u < count; ++u) {
                 T* pixel = out_group + y * dst.c + (x0 + u) * dst.d;
                 if (dst.b == 1) {
@@ -1150,40 +1172,6 @@ void run_stencil_pass(const StencilPass<T>& s) {
 }
 
 // ---- Backward weight ----------------------------------------------------------------------------
-
-// Channels-last pixels into channel planes: out[c * out_pitch + u] = in[u * in_stride + c] for
-// c < channels, u < count; whole lanes x lanes tiles transposed in registers (half types
-// widened first, lanes pixels by up to 128 channels at a time: one element at a time, the
-// staging took a fifth of a channels-last bfloat16 3x3 wgrad), the edges one element at a time.
-template <class T, class A>
-void transpose_channels(const CpuLoops<A>& isa, const T* in, int64_t in_stride, int64_t count,
-                        int64_t channels, A* out, int64_t out_pitch) {
-  const int64_t L = isa.lanes;
-  const int64_t whole_u = count / L * L, whole_c = channels / L * L;
-  if constexpr (std::is_same_v<T, A>) {
-    for (int64_t u = 0; u < whole_u; u += L)
-      for (int64_t c = 0; c < whole_c; c += L)
-        isa.transpose_tile(in + u * in_stride + c, in_stride, out + c * out_pitch + u,
-                           out_pitch);
-  } else {
-    constexpr int64_t kChunk = 128;  // channels widened at a time
-    A widened[16 * kChunk];          // lanes (at most 16) pixels x kChunk channels
-    for (int64_t u = 0; u < whole_u; u += L)
-      for (int64_t c0 = 0; c0 < whole_c; c0 += kChunk) {
-        const int64_t n = std::min(kChunk, whole_c - c0);
-        for (int64_t v = 0; v < L; ++v)
-          widen_row(isa, in + (u + v) * in_stride + c0, 1, widened + v * n, n);
-        for (int64_t c = 0; c < n; c += L)
-          isa.transpose_tile(widened + c, n, out + (c0 + c) * out_pitch + u, out_pitch);
-      }
-  }
-  // The rest: channels past the whole tiles for every pixel, pixels past them for the others.
-  for (int64_t c = 0; c < channels; ++c) {
-    A* row = out + c * out_pitch;
-    for (int64_t u = c < whole_c ? whole_u : 0; u < count; ++u)
-      row[u] = to_acc(in[u * in_stride + c]);
-  }
-}
 
 // One stride phase (a, b) of a block of `channels` input planes, staged for the weight gradient:
 // channel c's phase at out + c * out_channel_pitch, `rows` rows at `pitch`, element (t, u) =
@@ -1512,17 +1500,9 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
           if (pair_pixels) {
           const int64_t pairs = b.pixels / 2;
           const T* d = dy_tensor + n * ys.a + i0 * ys.d;
-          if (ys.d == 1) {
-            const int64_t L = isa.lanes, stride = ys.b / 2;  // in pairs
-            const A* in = reinterpret_cast<const A*>(d);
-            const int64_t whole = pairs / L * L;
-            for (int64_t k0 = 0; k0 < Kg; k0 += L)
-              for (int64_t m0 = 0; m0 < whole; m0 += L)
-                isa.transpose_tile(in + k0 * stride + m0, stride,
-                                   reinterpret_cast<A*>(pair_chunk + m0 * Kg + k0), Kg);
-            for (int64_t k = 0; k < Kg; ++k)
-              for (int64_t m = whole; m < pairs; ++m)
-                std::memcpy(pair_chunk + m * Kg + k, d + k * ys.b + 2 * m, 4);
+          if (ys.d == 1) {  // filter k's pairs ys.b / 2 4-byte elements apart
+            transpose_channels(isa, reinterpret_cast<const A*>(d), ys.b / 2, Kg, pairs,
+                               reinterpret_cast<A*>(pair_chunk), Kg);
           } else {
             const auto bits = [](const T* v) { return reinterpret_cast<const uint16_t*>(v); };
             for (int64_t m = 0; m < pairs; ++m)
