@@ -113,10 +113,10 @@ def grid_sample_cases(dtype):
                                                          data_format=data_format)
                                           .astype(jnp.float32))
                 jax.block_until_ready(jax.grad(op, argnums=(0, 1))(one, grid))
-    # The channels-first forward's survey (forward_copy.cu), from 4 MiB here (64 by default): a
-    # random grid (far-apart points: the copy, 32 channels), half random (the scattered route)
-    # and smooth (in place). JAX_KERNELS_GRID_SAMPLE_COPY=1 / =2 send the small cases above
-    # through the copy / the scattered route.
+    # The channels-first forward's survey (forward_copy.cu), from 4 MiB here (32 by default): a
+    # random and a half-random grid (far-apart points: the copy, 32 channels) and a smooth one
+    # (in place). JAX_KERNELS_GRID_SAMPLE_COPY=1 / =2 send the small cases above through the
+    # copy / the scattered route.
     if dtype != jnp.float64:
         os.environ["JAX_KERNELS_GRID_SAMPLE_SURVEY_MIB"] = "4"
         big = rand(2, 32, 256, 260, dtype=dtype)
