@@ -92,6 +92,8 @@ GEOMETRIES = [
     ((1, 2, 70, 70), (2, 1, 3, 3), dict(dilation=30, padding=1, groups=2), True),
     ((2, 2, 9, 9), (2, 2, 5, 5), dict(stride=3, padding=4), True),
     ((1, 1, 66, 70), (1, 1, 3, 3), dict(padding=1), True),
+    # depthwise over planes past the half types' strip bound (tensor-core stencils on the GPU)
+    ((1, 4, 30, 30), (4, 1, 7, 7), dict(padding=3, groups=4), True),
 ]
 
 
@@ -114,10 +116,13 @@ def test_float64_matches_torch(geometry):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("geometry", [GEOMETRIES[i] for i in (1, 2, 9, 12, 13, 18)], ids=_id)
+@pytest.mark.parametrize("geometry", [GEOMETRIES[i] for i in (1, 2, 9, 12, 13, 18, 22)],
+                         ids=_id)
 def test_low_precision_relative_error(dtype, geometry):
     """Half types accumulate in float32; float32 with precision='highest' is full precision on
-    every path. The oracle is float64 on the same (rounded) inputs."""
+    every path. The oracle is float64 on the same (rounded) inputs. On the GPU the depthwise
+    geometries take the half types' strip kernels (14x14 and 10x11 planes) and the tensor-core
+    stencils (30x30)."""
     shape_x, shape_w, options, bias = geometry
     x, w, b, dy = operands(1, shape_x, shape_w, bias, dtype, options)
     as64 = lambda a: None if a is None else a.astype(jnp.float64)
@@ -145,7 +150,7 @@ def test_float32_default_precision(geometry):
 
 @pytest.mark.skipif(not TORCH_CUDA, reason="needs torch with CUDA next to JAX on the GPU")
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("geometry", [GEOMETRIES[i] for i in (1, 9, 13, 18)], ids=_id)
+@pytest.mark.parametrize("geometry", [GEOMETRIES[i] for i in (1, 9, 13, 18, 22)], ids=_id)
 def test_matches_torch_cuda(dtype, geometry):
     """Side by side with torch CUDA in the same dtype (both may use TF32 for float32)."""
     shape_x, shape_w, options, bias = geometry
@@ -663,7 +668,7 @@ def test_type_errors():
 
 @pytest.mark.skipif(not ON_GPU, reason="the CPU kernels are deterministic by construction")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float64])
-@pytest.mark.parametrize("geometry", [GEOMETRIES[i] for i in (9, 13, 18)], ids=_id)
+@pytest.mark.parametrize("geometry", [GEOMETRIES[i] for i in (9, 13, 18, 22)], ids=_id)
 def test_gradients_are_bitwise_reproducible(dtype, geometry):
     shape_x, shape_w, options, bias = geometry
     x, w, b, dy = operands(24, shape_x, shape_w, bias, dtype, options)

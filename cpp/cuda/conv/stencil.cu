@@ -1,6 +1,6 @@
 // The direct stencil kernels of the conv2d forward and dgrad (conv/direct.h says which runs when):
-// the strip kernel (float32/float64) and the tensor-core kernel (float16/bfloat16) for unit-stride
-// 3x3/5x5/7x7 taps, the generic shared-tile kernel and the global-memory kernel for any other
+// the strip kernel (float32/float64, and half types on small planes) and the tensor-core kernel
+// (float16/bfloat16) for unit-stride 3x3/5x5/7x7 taps, the generic shared-tile kernel and the global-memory kernel for any other
 // geometry, their tile planning, and run_stencil, which picks among them and the pipelined
 // kernels of stencil_pipelined.cu.
 #include <algorithm>
@@ -14,24 +14,26 @@
 namespace jax_kernels {
 namespace {
 
-// The strip kernel (float32/float64; unit stride and dilation, kTaps x kTaps taps; upsampling
-// allowed). A block covers bz planes x one tile of (by * kRows) x (bx * 4) outputs; thread
+// The strip kernel (unit stride and dilation, kTaps x kTaps taps; upsampling allowed): float32
+// and float64, and half types on small planes (tiling.h's half_strips; their tiles, weights and
+// sums in float). A block covers bz planes x one tile of (by * kRows) x (bx * 4) outputs; thread
 // (tx, ty) of a plane computes rows ty * kRows .. + kRows - 1 of columns 4 tx .. 4 tx + 3 with
 // the weights in registers. The block's threads stage all bz tiles together; column tiles start
-// at x_base so that their source columns start on a 16-byte vector.
+// at x_base so that their source columns start on a 16-byte vector (float32/float64).
 template <class T, int kTaps, int kRows>
 __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
     stencil_strip_kernel(const T* __restrict__ source, const T* __restrict__ weight,
                          const T* __restrict__ bias, T* __restrict__ out, const StencilGrid G) {
+  using A = acc_t<T>;
   constexpr int kSpan = strip_span(kTaps);
   extern __shared__ __align__(16) unsigned char shared_memory[];
-  T* const tiles = reinterpret_cast<T*>(shared_memory);
+  A* const tiles = reinterpret_cast<A*>(shared_memory);
   const int plane_threads = G.bx * G.by;
   const int z = threadIdx.x / plane_threads;
   const int t = threadIdx.x - z * plane_threads;
   const int tx = t % G.bx, ty = t / G.bx;
   const bool slot = z < G.bz;  // threads beyond bz planes only round the block up to whole warps
-  const T* const strip =
+  const A* const strip =
       tiles + (slot ? z : 0) * G.tile_stride + ty * kRows * G.pitch + tx * kStripCols;
   const int tiles_per_plane = int(G.tiles_x * G.tiles_y);
   const int64_t source_plane = G.rows.source * G.cols.source;
@@ -47,8 +49,8 @@ __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
     const int64_t u0 = G.rows.position(y0, 0), v0 = G.cols.position(x0, 0);
     const int oc = plane % int(G.out_channels);
     const int g = oc / int(G.out_per_group), o = oc % int(G.out_per_group);
-    const T start = (live && bias != nullptr) ? bias[oc] : T(0);
-    T acc[kRows][kStripCols];
+    const A start = (live && bias != nullptr) ? to_acc(bias[oc]) : A(0);
+    A acc[kRows][kStripCols];
 #pragma unroll
     for (int j = 0; j < kRows; ++j)
 #pragma unroll
@@ -58,26 +60,30 @@ __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
       __syncthreads();  // the previous tiles have been consumed
       split_block(std::min(G.bz, int(G.planes) - first_plane), [&](int zz, int tid, int threads) {
         const T* src = source + G.source_plane(first_plane + zz, i) * source_plane;
-        T* tile_of = tiles + zz * G.tile_stride;
-        if (G.vector_source)
-          stage_tile_vectors<10>(tile_of, src, G.rows.source, G.cols.source, u0, v0, G.src_rows,
-                                 G.src_cols, G.pitch, tid, threads);
-        else
-          stage_tile<24, T>(tile_of, src, G.rows, G.cols, u0, v0, G.src_rows, G.src_cols,
-                            G.pitch, tid, threads);
+        A* tile_of = tiles + zz * G.tile_stride;
+        if constexpr (std::is_same_v<A, T>) {
+          if (G.vector_source) {
+            stage_tile_vectors<10>(tile_of, src, G.rows.source, G.cols.source, u0, v0,
+                                   G.src_rows, G.src_cols, G.pitch, tid, threads);
+            return;
+          }
+        }
+        stage_tile<24, A>(tile_of, src, G.rows, G.cols, u0, v0, G.src_rows, G.src_cols, G.pitch,
+                          tid, threads);
       });
       __syncthreads();
       if (live) {
         const T* w = weight + G.weights.offset(g, o, i, 0, 0);
-        T wr[kTaps][kTaps];
+        A wr[kTaps][kTaps];
 #pragma unroll
         for (int r = 0; r < kTaps; ++r)
 #pragma unroll
-          for (int s = 0; s < kTaps; ++s) wr[r][s] = w[r * G.weights.row + s * G.weights.col];
+          for (int s = 0; s < kTaps; ++s)
+            wr[r][s] = to_acc(w[r * G.weights.row + s * G.weights.col]);
         // Tile row d is read by output row j through tap row d - j.
 #pragma unroll
         for (int d = 0; d < kRows + kTaps - 1; ++d) {
-          T v[kSpan];
+          A v[kSpan];
           load_span(strip + d * G.pitch, v);
 #pragma unroll
           for (int r = 0; r < kTaps; ++r) {
@@ -354,16 +360,19 @@ bool vector_rows(const StencilGrid& G) {
          G.cols.source % (16 / int64_t(sizeof(T))) == 0;
 }
 
-// Fills G's tile for the strip kernel; false when no tile fits in shared memory.
+// Fills G's tile for the strip kernel; false when no tile fits in shared memory. Half types
+// stage their tiles element by element, widened to float (no vector staging: x_base 0).
 template <class T>
 bool plan_stencil_strips(StencilGrid& G, const T* source, const T* out, int taps, int rows) {
-  G.x_base = vector_rows<T>(G) ? aligned_column_base(G.cols.pad, 16 / int(sizeof(T))) : 0;
-  G.vector_source = vector_rows<T>(G) && aligned_to(source, 16);
+  using A = acc_t<T>;
+  const bool vectors = std::is_same_v<A, T> && vector_rows<T>(G);
+  G.x_base = vectors ? aligned_column_base(G.cols.pad, 16 / int(sizeof(T))) : 0;
+  G.vector_source = vectors && aligned_to(source, 16);
   G.vector_out = G.x_base % 4 == 0 && G.cols.out % 4 == 0 && aligned_to(out, 4 * sizeof(T));
   for (int max_by = kMaxThreads; max_by >= 1; max_by /= 2) {
     const TileShape t = choose_tile(G.rows.out, G.cols.out - G.x_base, rows, kStripCols, max_by);
     const StripTile s = strip_tile(t.bx, t.by, rows, taps);
-    const int64_t tile_bytes = int64_t(s.stride) * int64_t(sizeof(T));
+    const int64_t tile_bytes = int64_t(s.stride) * int64_t(sizeof(A));
     if (tile_bytes > kSharedBytes) continue;
     G.bx = t.bx;
     G.by = t.by;
@@ -415,7 +424,7 @@ void launch_stencil_strips(cudaStream_t stream, const T* source, const T* weight
                            T* out, const StencilGrid& G) {
   const int threads = int(round_up(int64_t(G.bx) * G.by * G.bz, 32));
   const unsigned blocks = unsigned(std::min<int64_t>(G.blocks, int64_t(1) << 30));
-  const size_t shared = size_t(G.bz) * size_t(G.tile_stride) * sizeof(T);
+  const size_t shared = size_t(G.bz) * size_t(G.tile_stride) * sizeof(acc_t<T>);
   stencil_strip_kernel<T, kTaps, kRows>
       <<<blocks, threads, shared, stream>>>(source, weight, bias, out, G);
 }
@@ -437,7 +446,24 @@ ffi::Error run_stencil(cudaStream_t stream, const char* op, const T* source, con
   using A = acc_t<T>;
   if (G.planes * G.rows.out * G.cols.out == 0) return ffi::Error::Success();
   const int taps = unrolled_taps(G.rows, G.cols);
+  const auto launch_strips = [&](int rows) {
+    if (rows == 7) {
+      if (taps == 3) launch_stencil_strips<T, 3, 7>(stream, source, weight, bias, out, G);
+      if (taps == 5) launch_stencil_strips<T, 5, 7>(stream, source, weight, bias, out, G);
+      if (taps == 7) launch_stencil_strips<T, 7, 7>(stream, source, weight, bias, out, G);
+    } else {
+      if (taps == 3) launch_stencil_strips<T, 3, 8>(stream, source, weight, bias, out, G);
+      if (taps == 5) launch_stencil_strips<T, 5, 8>(stream, source, weight, bias, out, G);
+      if (taps == 7) launch_stencil_strips<T, 7, 8>(stream, source, weight, bias, out, G);
+    }
+  };
   if constexpr (is_half_type<T>()) {
+    const int rows = taps > 0 ? strip_rows(G.rows.out, G.cols.out) : 0;
+    if (taps > 0 && half_strips(G.rows.out, G.cols.out) &&
+        plan_stencil_strips(G, source, out, taps, rows)) {
+      launch_strips(rows);
+      return launch_status(op);
+    }
     if (taps > 0 && plan_stencil_mma(G, source, out, taps)) {
       if (pipelined(G)) {
         launch_stencil_pipelined(stream, source, weight, bias, out, G, taps, 0);
@@ -455,15 +481,7 @@ ffi::Error run_stencil(cudaStream_t stream, const char* op, const T* source, con
         launch_stencil_pipelined(stream, source, weight, bias, out, G, taps, rows);
         return launch_status(op);
       }
-      if (rows == 7) {
-        if (taps == 3) launch_stencil_strips<T, 3, 7>(stream, source, weight, bias, out, G);
-        if (taps == 5) launch_stencil_strips<T, 5, 7>(stream, source, weight, bias, out, G);
-        if (taps == 7) launch_stencil_strips<T, 7, 7>(stream, source, weight, bias, out, G);
-      } else {
-        if (taps == 3) launch_stencil_strips<T, 3, 8>(stream, source, weight, bias, out, G);
-        if (taps == 5) launch_stencil_strips<T, 5, 8>(stream, source, weight, bias, out, G);
-        if (taps == 7) launch_stencil_strips<T, 7, 8>(stream, source, weight, bias, out, G);
-      }
+      launch_strips(rows);
       return launch_status(op);
     }
   }

@@ -198,6 +198,37 @@ __device__ __forceinline__ uint32_t round_pair(float lo, float hi) {
   return r;
 }
 
+// load_four of a half type widened to float: one 8-byte load when `vector` (row + x aligned to
+// 4 elements) and all four are inside, zeros outside [0, width).
+template <class T, std::enable_if_t<is_half_type<T>(), int> = 0>
+__device__ __forceinline__ void load_four(const T* row, int x, int64_t width, bool vector,
+                                          float (&v)[4]) {
+  if (vector && x >= 0 && x + 4 <= width) {
+    const uint2 q = *reinterpret_cast<const uint2*>(row + x);
+    v[0] = to_acc(T{uint16_t(q.x)}), v[1] = to_acc(T{uint16_t(q.x >> 16)});
+    v[2] = to_acc(T{uint16_t(q.y)}), v[3] = to_acc(T{uint16_t(q.y >> 16)});
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = (x + i >= 0 && x + i < width) ? to_acc(row[x + i]) : 0.f;
+  }
+}
+
+// store_four of float sums rounded to a half type (from_acc): one 8-byte store when `vector`
+// and all four are inside.
+template <class T, std::enable_if_t<is_half_type<T>(), int> = 0>
+__device__ __forceinline__ void store_four(T* row, int x, int64_t width, bool vector,
+                                           const float (&v)[4]) {
+  if (vector && x >= 0 && x + 4 <= width) {
+    *reinterpret_cast<uint2*>(row + x) =
+        make_uint2(pack_pair(from_acc<T>(v[0]), from_acc<T>(v[1])),
+                   pack_pair(from_acc<T>(v[2]), from_acc<T>(v[3])));
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (x + i >= 0 && x + i < width) row[x + i] = from_acc<T>(v[i]);
+  }
+}
+
 // D += A * B for one m16n8k16 tile: A 16x16 (row-major fragment, 4 registers), B 16x8
 // (column-major fragment, 2 registers), float32 accumulation.
 template <class T>

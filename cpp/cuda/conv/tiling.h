@@ -11,6 +11,7 @@
 #include <initializer_list>
 #include <type_traits>
 
+#include "common/knobs.h"
 #include "jax_kernels/conv.h"
 #include "jax_kernels/scalar.h"
 
@@ -44,6 +45,20 @@ static_assert(kMmaUnits % kMmaChains == 0, "chains must divide the units");
 template <class T>
 constexpr bool is_half_type() {
   return std::is_same_v<T, float16> || std::is_same_v<T, bfloat16>;
+}
+
+// Half-type stencils and weight gradients of unrolled taps over planes of at most this many
+// output positions run the strip kernels (float tiles, weights and sums, the inputs widened as
+// they are staged) instead of the tensor-core ones, whose 16-row tiles leave most of each mma
+// idle on small planes (a 7x7 plane fills 49 of a 16x8 tile's 128 outputs) and whose tiles are
+// staged element by element there (rows not whole 16-byte vectors). Measured on the H200 (run
+// 34, docs/performance.md). JAX_KERNELS_CONV_HALF_STRIPS_AT sets the bound for A/B runs (1: the
+// tensor-core kernels for every plane of more than one position); it changes the bits of the
+// planes it moves (their sums run in another order).
+constexpr int kHalfStripsAt = 28 * 28;
+
+inline bool half_strips(int64_t rows, int64_t cols) {
+  return rows * cols <= knob_count("JAX_KERNELS_CONV_HALF_STRIPS_AT", kHalfStripsAt);
 }
 
 // Resident blocks per multiprocessor the strip kernels are compiled for: 2 allows 128 registers

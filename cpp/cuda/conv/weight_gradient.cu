@@ -1,8 +1,8 @@
 // The conv2d weight gradient of the direct path (conv/direct.h): partial sums per fixed slice of
 // images for each (filter, channel) pair, then the slices added in order (no atomics: bitwise
 // reproducible). Unit-stride 3x3/5x5/7x7 taps take the strip kernel (float32/float64,
-// cp.async-pipelined when x's rows are whole vectors) or the tensor-core kernel (half types);
-// other geometries a generic kernel. The bias gradient is in bias_gradient.cu.
+// cp.async-pipelined when x's rows are whole vectors; half types on small planes, tiling.h's
+// half_strips) or the tensor-core kernel (half types); other geometries a generic kernel. The bias gradient is in bias_gradient.cu.
 #include <algorithm>
 #include <cstdint>
 
@@ -61,7 +61,7 @@ WgradPlan plan_wgrad(const ConvProblem& p) {
   plan.taps = unrolled_taps(forward_rows(p), forward_cols(p));
   // The unrolled kernels index rows, columns and tiles in int.
   const bool small = int32_extents({p.P, p.Q, p.H, p.W, p.pad_top, p.pad_left});
-  if (plan.taps > 0 && small && is_half_type<T>()) {
+  if (plan.taps > 0 && small && is_half_type<T>() && !half_strips(p.P, p.Q)) {
     plan.kernel = WgradKernel::kMma;
     const int64_t tiles_y = ceil_div(p.P, 64);
     plan.tile_rows = int(ceil_div(p.P, tiles_y));
@@ -71,8 +71,10 @@ WgradPlan plan_wgrad(const ConvProblem& p) {
     plan.tile.tiles_y = tiles_y;
     plan.tile.tiles_x = ceil_div(p.Q, plan.tile_cols);
   } else if (plan.taps > 0 && small) {
+    // Half types stage x element by element, widened to float (no vectors to align to).
     constexpr int kVector = 16 / int(sizeof(T));
-    plan.x_base = p.W % kVector == 0 ? aligned_column_base(p.pad_left, kVector) : 0;
+    plan.x_base = !is_half_type<T>() && p.W % kVector == 0
+                      ? aligned_column_base(p.pad_left, kVector) : 0;
     plan.rows = strip_rows(p.P, p.Q);
     plan.tile = choose_tile(p.P, p.Q - plan.x_base, plan.rows, kStripCols, kMaxThreads);
     plan.strip = strip_tile(plan.tile.bx, plan.tile.by, plan.rows, plan.taps);
@@ -129,24 +131,26 @@ struct WgradGrid {
   int64_t tap_chunks;          // generic kernel: blocks per (pair, slice), kGenericTaps taps each
 };
 
-// Unit stride and dilation, kTaps x kTaps taps, float32/float64. Block (slice, pair); thread
+// Unit stride and dilation, kTaps x kTaps taps: float32/float64, and half types on small
+// planes (their x tiles, dy blocks and sums in float). Block (slice, pair); thread
 // (z, tx, ty) holds the kTaps^2 sums of the dy register block at rows ty * kRows .. + kRows - 1,
 // columns 4 tx .. 4 tx + 3 of every tile of images first + z, first + z + bz, ... of the slice;
 // the block's threads stage the bz x tiles (with their halos) in shared memory together.
 template <class T, int kTaps, int kRows>
 __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
-    wgrad_strip_kernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ partial,
-                       const WgradGrid G) {
+    wgrad_strip_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                       acc_t<T>* __restrict__ partial, const WgradGrid G) {
+  using A = acc_t<T>;
   constexpr int kSpan = strip_span(kTaps);
   extern __shared__ __align__(16) unsigned char shared_memory[];
-  T* const tiles = reinterpret_cast<T*>(shared_memory);
+  A* const tiles = reinterpret_cast<A*>(shared_memory);
   const ConvProblem& p = G.p;
   const int plane_threads = G.bx * G.by;
   const int z = threadIdx.x / plane_threads;
   const int t = threadIdx.x - z * plane_threads;
   const int tx = t % G.bx, ty = t / G.bx;
   const bool slot = z < G.bz;  // threads beyond bz images only round the block up to whole warps
-  const T* const strip =
+  const A* const strip =
       tiles + (slot ? z : 0) * G.tile_stride + ty * kRows * G.pitch + tx * kStripCols;
   const int64_t Kg = p.filters_per_group(), Cg = p.channels_per_group();
   // The x tile in the stencil form of the forward pass (unit stride here).
@@ -157,9 +161,9 @@ __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
     const int64_t slice = b / G.pairs, pair = b % G.pairs;
     const int64_t k = pair / Cg, c = pair % Cg;
     const int64_t channel = (k / Kg) * Cg + c;
-    T acc[kTaps * kTaps];
+    A acc[kTaps * kTaps];
 #pragma unroll
-    for (int e = 0; e < kTaps * kTaps; ++e) acc[e] = T(0);
+    for (int e = 0; e < kTaps * kTaps; ++e) acc[e] = A(0);
     const int64_t first = slice * G.images, last = std::min(p.N, first + G.images);
     for (int64_t n0 = first; n0 < last; n0 += G.bz) {
       const int64_t n = n0 + z;
@@ -170,7 +174,7 @@ __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
         // This thread's dy block, loaded before staging x so that the loads overlap.
         const int q = x0 + tx * kStripCols, y = y0 + ty * kRows;
         const T* dy_rows = dy + ((n * p.K + k) * p.P + y) * p.Q;
-        T d[kRows][kStripCols];
+        A d[kRows][kStripCols];
 #pragma unroll
         for (int j = 0; j < kRows; ++j) {
           const bool inside = live && y + j < p.P;
@@ -180,20 +184,23 @@ __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
         const int64_t u0 = rows.position(y0, 0), v0 = cols.position(x0, 0);
         split_block(int(std::min<int64_t>(G.bz, last - n0)), [&](int zz, int tid, int threads) {
           const T* x_plane = x + ((n0 + zz) * p.C + channel) * p.H * p.W;
-          T* tile_of = tiles + zz * G.tile_stride;
-          if (G.vector_x)
-            stage_tile_vectors<9>(tile_of, x_plane, p.H, p.W, u0, v0, G.src_rows, G.src_cols,
-                                  G.pitch, tid, threads);
-          else
-            stage_tile<24, T>(tile_of, x_plane, rows, cols, u0, v0, G.src_rows, G.src_cols,
-                              G.pitch, tid, threads);
+          A* tile_of = tiles + zz * G.tile_stride;
+          if constexpr (std::is_same_v<A, T>) {
+            if (G.vector_x) {
+              stage_tile_vectors<9>(tile_of, x_plane, p.H, p.W, u0, v0, G.src_rows, G.src_cols,
+                                    G.pitch, tid, threads);
+              return;
+            }
+          }
+          stage_tile<24, A>(tile_of, x_plane, rows, cols, u0, v0, G.src_rows, G.src_cols,
+                            G.pitch, tid, threads);
         });
         __syncthreads();
         if (live) {
           // Tile row dd is read by output row j through tap row dd - j.
 #pragma unroll
           for (int dd = 0; dd < kRows + kTaps - 1; ++dd) {
-            T v[kSpan];
+            A v[kSpan];
             load_span(strip + dd * G.pitch, v);
 #pragma unroll
             for (int r = 0; r < kTaps; ++r) {
@@ -525,11 +532,11 @@ __global__ void __launch_bounds__(kMaxThreads)
 }
 
 template <class T, int kTaps, int kRows>
-void launch_wgrad_strips(cudaStream_t stream, const T* dy, const T* x, T* partial,
+void launch_wgrad_strips(cudaStream_t stream, const T* dy, const T* x, acc_t<T>* partial,
                          const WgradGrid& G) {
   const int threads = int(round_up(int64_t(G.bx) * G.by * G.bz, 32));
   const unsigned blocks = unsigned(std::min<int64_t>(G.slices * G.pairs, int64_t(1) << 30));
-  const size_t shared = size_t(G.bz) * size_t(G.tile_stride) * sizeof(T);
+  const size_t shared = size_t(G.bz) * size_t(G.tile_stride) * sizeof(acc_t<T>);
   wgrad_strip_kernel<T, kTaps, kRows><<<blocks, threads, shared, stream>>>(dy, x, partial, G);
 }
 
@@ -595,18 +602,19 @@ ffi::Error run_wgrad(cudaStream_t stream, const T* dy, const T* x, T* dw, const 
       if (taps == 7) launch_wgrad_mma<T, 7>(stream, dy, x, partial, G);
     }
   } else if (plan.kernel == WgradKernel::kStrips) {
-    if constexpr (!is_half_type<T>()) {
-      G.bx = plan.tile.bx;
-      G.by = plan.tile.by;
-      G.bz = plan.bz;
-      G.src_rows = plan.strip.rows;
-      G.src_cols = plan.strip.cols;
-      G.pitch = plan.strip.pitch;
-      G.tile_stride = plan.strip.stride;
-      G.x_base = plan.x_base;
-      G.vector_x = p.W % (16 / int64_t(sizeof(T))) == 0 && aligned_to(x, 16);
-      G.vector_dy = G.x_base % 4 == 0 && p.Q % 4 == 0 && aligned_to(dy, 4 * sizeof(T));
-      if (G.vector_x) {
+    G.bx = plan.tile.bx;
+    G.by = plan.tile.by;
+    G.bz = plan.bz;
+    G.src_rows = plan.strip.rows;
+    G.src_cols = plan.strip.cols;
+    G.pitch = plan.strip.pitch;
+    G.tile_stride = plan.strip.stride;
+    G.x_base = plan.x_base;
+    // Half types stage x widened to float: never as raw vectors, so never pipelined.
+    G.vector_x = !is_half_type<T>() && p.W % (16 / int64_t(sizeof(T))) == 0 && aligned_to(x, 16);
+    G.vector_dy = G.x_base % 4 == 0 && p.Q % 4 == 0 && aligned_to(dy, 4 * sizeof(T));
+    if (G.vector_x) {
+      if constexpr (!is_half_type<T>()) {
         if (plan.rows == 7) {
           if (taps == 3) launch_wgrad_strips_pipe<T, 3, 7>(stream, dy, x, partial, G);
           if (taps == 5) launch_wgrad_strips_pipe<T, 5, 7>(stream, dy, x, partial, G);
@@ -616,16 +624,15 @@ ffi::Error run_wgrad(cudaStream_t stream, const T* dy, const T* x, T* dw, const 
           if (taps == 5) launch_wgrad_strips_pipe<T, 5, 8>(stream, dy, x, partial, G);
           if (taps == 7) launch_wgrad_strips_pipe<T, 7, 8>(stream, dy, x, partial, G);
         }
-      } else
-      if (plan.rows == 7) {
-        if (taps == 3) launch_wgrad_strips<T, 3, 7>(stream, dy, x, partial, G);
-        if (taps == 5) launch_wgrad_strips<T, 5, 7>(stream, dy, x, partial, G);
-        if (taps == 7) launch_wgrad_strips<T, 7, 7>(stream, dy, x, partial, G);
-      } else {
-        if (taps == 3) launch_wgrad_strips<T, 3, 8>(stream, dy, x, partial, G);
-        if (taps == 5) launch_wgrad_strips<T, 5, 8>(stream, dy, x, partial, G);
-        if (taps == 7) launch_wgrad_strips<T, 7, 8>(stream, dy, x, partial, G);
       }
+    } else if (plan.rows == 7) {
+      if (taps == 3) launch_wgrad_strips<T, 3, 7>(stream, dy, x, partial, G);
+      if (taps == 5) launch_wgrad_strips<T, 5, 7>(stream, dy, x, partial, G);
+      if (taps == 7) launch_wgrad_strips<T, 7, 7>(stream, dy, x, partial, G);
+    } else {
+      if (taps == 3) launch_wgrad_strips<T, 3, 8>(stream, dy, x, partial, G);
+      if (taps == 5) launch_wgrad_strips<T, 5, 8>(stream, dy, x, partial, G);
+      if (taps == 7) launch_wgrad_strips<T, 7, 8>(stream, dy, x, partial, G);
     }
   } else {
     G.tap_chunks = ceil_div(p.R * p.S, kGenericTaps);
