@@ -15,11 +15,11 @@ namespace jax_kernels {
 namespace {
 
 // The strip kernel (unit stride and dilation, kTaps x kTaps taps; upsampling allowed): float32
-// and float64, and half types on small planes (tiling.h's half_strips; their tiles, weights and
-// sums in float). A block covers bz planes x one tile of (by * kRows) x (bx * 4) outputs; thread
+// and float64, and half types on small planes (tiling.h's half_strips; tiles of the half type,
+// widened to float as they are read, weights and sums in float). A block covers bz planes x one tile of (by * kRows) x (bx * 4) outputs; thread
 // (tx, ty) of a plane computes rows ty * kRows .. + kRows - 1 of columns 4 tx .. 4 tx + 3 with
 // the weights in registers. The block's threads stage all bz tiles together; column tiles start
-// at x_base so that their source columns start on a 16-byte vector (float32/float64).
+// at x_base so that their source columns start on a 16-byte vector.
 template <class T, int kTaps, int kRows>
 __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
     stencil_strip_kernel(const T* __restrict__ source, const T* __restrict__ weight,
@@ -27,13 +27,13 @@ __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
   using A = acc_t<T>;
   constexpr int kSpan = strip_span(kTaps);
   extern __shared__ __align__(16) unsigned char shared_memory[];
-  A* const tiles = reinterpret_cast<A*>(shared_memory);
+  T* const tiles = reinterpret_cast<T*>(shared_memory);
   const int plane_threads = G.bx * G.by;
   const int z = threadIdx.x / plane_threads;
   const int t = threadIdx.x - z * plane_threads;
   const int tx = t % G.bx, ty = t / G.bx;
   const bool slot = z < G.bz;  // threads beyond bz planes only round the block up to whole warps
-  const A* const strip =
+  const T* const strip =
       tiles + (slot ? z : 0) * G.tile_stride + ty * kRows * G.pitch + tx * kStripCols;
   const int tiles_per_plane = int(G.tiles_x * G.tiles_y);
   const int64_t source_plane = G.rows.source * G.cols.source;
@@ -60,16 +60,13 @@ __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
       __syncthreads();  // the previous tiles have been consumed
       split_block(std::min(G.bz, int(G.planes) - first_plane), [&](int zz, int tid, int threads) {
         const T* src = source + G.source_plane(first_plane + zz, i) * source_plane;
-        A* tile_of = tiles + zz * G.tile_stride;
-        if constexpr (std::is_same_v<A, T>) {
-          if (G.vector_source) {
-            stage_tile_vectors<10>(tile_of, src, G.rows.source, G.cols.source, u0, v0,
-                                   G.src_rows, G.src_cols, G.pitch, tid, threads);
-            return;
-          }
-        }
-        stage_tile<24, A>(tile_of, src, G.rows, G.cols, u0, v0, G.src_rows, G.src_cols, G.pitch,
-                          tid, threads);
+        T* tile_of = tiles + zz * G.tile_stride;
+        if (G.vector_source)
+          stage_tile_vectors<10>(tile_of, src, G.rows.source, G.cols.source, u0, v0, G.src_rows,
+                                 G.src_cols, G.pitch, tid, threads);
+        else
+          stage_tile<24, T>(tile_of, src, G.rows, G.cols, u0, v0, G.src_rows, G.src_cols,
+                            G.pitch, tid, threads);
       });
       __syncthreads();
       if (live) {
@@ -361,18 +358,18 @@ bool vector_rows(const StencilGrid& G) {
 }
 
 // Fills G's tile for the strip kernel; false when no tile fits in shared memory. Half types
-// stage their tiles element by element, widened to float (no vector staging: x_base 0).
+// stage element by element (x_base 0): their 16-byte vectors of 8 could overrun the pitch, which
+// is planned in vectors of 4.
 template <class T>
 bool plan_stencil_strips(StencilGrid& G, const T* source, const T* out, int taps, int rows) {
-  using A = acc_t<T>;
-  const bool vectors = std::is_same_v<A, T> && vector_rows<T>(G);
+  const bool vectors = !is_half_type<T>() && vector_rows<T>(G);
   G.x_base = vectors ? aligned_column_base(G.cols.pad, 16 / int(sizeof(T))) : 0;
   G.vector_source = vectors && aligned_to(source, 16);
   G.vector_out = G.x_base % 4 == 0 && G.cols.out % 4 == 0 && aligned_to(out, 4 * sizeof(T));
   for (int max_by = kMaxThreads; max_by >= 1; max_by /= 2) {
     const TileShape t = choose_tile(G.rows.out, G.cols.out - G.x_base, rows, kStripCols, max_by);
     const StripTile s = strip_tile(t.bx, t.by, rows, taps);
-    const int64_t tile_bytes = int64_t(s.stride) * int64_t(sizeof(A));
+    const int64_t tile_bytes = int64_t(s.stride) * int64_t(sizeof(T));
     if (tile_bytes > kSharedBytes) continue;
     G.bx = t.bx;
     G.by = t.by;
@@ -424,7 +421,7 @@ void launch_stencil_strips(cudaStream_t stream, const T* source, const T* weight
                            T* out, const StencilGrid& G) {
   const int threads = int(round_up(int64_t(G.bx) * G.by * G.bz, 32));
   const unsigned blocks = unsigned(std::min<int64_t>(G.blocks, int64_t(1) << 30));
-  const size_t shared = size_t(G.bz) * size_t(G.tile_stride) * sizeof(acc_t<T>);
+  const size_t shared = size_t(G.bz) * size_t(G.tile_stride) * sizeof(T);
   stencil_strip_kernel<T, kTaps, kRows>
       <<<blocks, threads, shared, stream>>>(source, weight, bias, out, G);
 }

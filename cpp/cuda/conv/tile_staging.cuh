@@ -213,6 +213,17 @@ __device__ __forceinline__ void load_four(const T* row, int x, int64_t width, bo
   }
 }
 
+// load_span of a half-type tile widened to float: kSpan / 4 8-byte reads (p 8-byte aligned).
+template <int kSpan, class T, std::enable_if_t<is_half_type<T>(), int> = 0>
+__device__ __forceinline__ void load_span(const T* p, float (&v)[kSpan]) {
+#pragma unroll
+  for (int q = 0; q < kSpan / 4; ++q) {
+    const uint2 w = reinterpret_cast<const uint2*>(p)[q];
+    v[4 * q] = to_acc(T{uint16_t(w.x)}), v[4 * q + 1] = to_acc(T{uint16_t(w.x >> 16)});
+    v[4 * q + 2] = to_acc(T{uint16_t(w.y)}), v[4 * q + 3] = to_acc(T{uint16_t(w.y >> 16)});
+  }
+}
+
 // store_four of float sums rounded to a half type (from_acc): one 8-byte store when `vector`
 // and all four are inside.
 template <class T, std::enable_if_t<is_half_type<T>(), int> = 0>

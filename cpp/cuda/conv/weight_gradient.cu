@@ -53,7 +53,6 @@ WgradMmaTiles wgrad_mma_tiles(int tile_rows, int tile_cols, int taps) {
 
 template <class T>
 WgradPlan plan_wgrad(const ConvProblem& p) {
-  using A = acc_t<T>;
   WgradPlan plan{};
   const int64_t pairs = checked_mul(p.K, p.channels_per_group());
   if (p.N == 0 || pairs <= 0) return plan;
@@ -71,14 +70,15 @@ WgradPlan plan_wgrad(const ConvProblem& p) {
     plan.tile.tiles_y = tiles_y;
     plan.tile.tiles_x = ceil_div(p.Q, plan.tile_cols);
   } else if (plan.taps > 0 && small) {
-    // Half types stage x element by element, widened to float (no vectors to align to).
+    // Half types stage x element by element (their 16-byte vectors of 8 could overrun the
+    // pitch, which is planned in vectors of 4).
     constexpr int kVector = 16 / int(sizeof(T));
     plan.x_base = !is_half_type<T>() && p.W % kVector == 0
                       ? aligned_column_base(p.pad_left, kVector) : 0;
     plan.rows = strip_rows(p.P, p.Q);
     plan.tile = choose_tile(p.P, p.Q - plan.x_base, plan.rows, kStripCols, kMaxThreads);
     plan.strip = strip_tile(plan.tile.bx, plan.tile.by, plan.rows, plan.taps);
-    const int64_t tile_bytes = int64_t(plan.strip.stride) * int64_t(sizeof(A));
+    const int64_t tile_bytes = int64_t(plan.strip.stride) * int64_t(sizeof(T));
     if (tile_bytes <= kSharedBytes) {
       plan.kernel = WgradKernel::kStrips;
       plan.bz = int(std::clamp<int64_t>(kMaxThreads / (plan.tile.bx * plan.tile.by), 1,
@@ -94,6 +94,10 @@ WgradPlan plan_wgrad(const ConvProblem& p) {
                         : plan.kernel == WgradKernel::kStrips ? kWgradStripBlocks
                                                               : kWgradBlocks;
   const int64_t wanted = std::clamp<int64_t>(ceil_div(blocks, pairs), 1, p.N);
+  // A block takes no more images at once than its slice holds: on small planes the shared
+  // memory would admit more (32 of 14x14), which rounded the slices up to fewer, larger blocks
+  // (two slices of 21 images for C384 N32 instead of four of 8).
+  plan.bz = int(std::min<int64_t>(plan.bz, ceil_div(p.N, wanted)));
   plan.images = round_up(ceil_div(p.N, wanted), plan.bz);
   plan.slices = ceil_div(p.N, plan.images);
   return plan;
@@ -132,7 +136,7 @@ struct WgradGrid {
 };
 
 // Unit stride and dilation, kTaps x kTaps taps: float32/float64, and half types on small
-// planes (their x tiles, dy blocks and sums in float). Block (slice, pair); thread
+// planes (x tiles of the half type, widened as they are read; dy blocks and sums in float). Block (slice, pair); thread
 // (z, tx, ty) holds the kTaps^2 sums of the dy register block at rows ty * kRows .. + kRows - 1,
 // columns 4 tx .. 4 tx + 3 of every tile of images first + z, first + z + bz, ... of the slice;
 // the block's threads stage the bz x tiles (with their halos) in shared memory together.
@@ -143,14 +147,14 @@ __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
   using A = acc_t<T>;
   constexpr int kSpan = strip_span(kTaps);
   extern __shared__ __align__(16) unsigned char shared_memory[];
-  A* const tiles = reinterpret_cast<A*>(shared_memory);
+  T* const tiles = reinterpret_cast<T*>(shared_memory);
   const ConvProblem& p = G.p;
   const int plane_threads = G.bx * G.by;
   const int z = threadIdx.x / plane_threads;
   const int t = threadIdx.x - z * plane_threads;
   const int tx = t % G.bx, ty = t / G.bx;
   const bool slot = z < G.bz;  // threads beyond bz images only round the block up to whole warps
-  const A* const strip =
+  const T* const strip =
       tiles + (slot ? z : 0) * G.tile_stride + ty * kRows * G.pitch + tx * kStripCols;
   const int64_t Kg = p.filters_per_group(), Cg = p.channels_per_group();
   // The x tile in the stencil form of the forward pass (unit stride here).
@@ -184,16 +188,13 @@ __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
         const int64_t u0 = rows.position(y0, 0), v0 = cols.position(x0, 0);
         split_block(int(std::min<int64_t>(G.bz, last - n0)), [&](int zz, int tid, int threads) {
           const T* x_plane = x + ((n0 + zz) * p.C + channel) * p.H * p.W;
-          A* tile_of = tiles + zz * G.tile_stride;
-          if constexpr (std::is_same_v<A, T>) {
-            if (G.vector_x) {
-              stage_tile_vectors<9>(tile_of, x_plane, p.H, p.W, u0, v0, G.src_rows, G.src_cols,
-                                    G.pitch, tid, threads);
-              return;
-            }
-          }
-          stage_tile<24, A>(tile_of, x_plane, rows, cols, u0, v0, G.src_rows, G.src_cols,
-                            G.pitch, tid, threads);
+          T* tile_of = tiles + zz * G.tile_stride;
+          if (G.vector_x)
+            stage_tile_vectors<9>(tile_of, x_plane, p.H, p.W, u0, v0, G.src_rows, G.src_cols,
+                                  G.pitch, tid, threads);
+          else
+            stage_tile<24, T>(tile_of, x_plane, rows, cols, u0, v0, G.src_rows, G.src_cols,
+                              G.pitch, tid, threads);
         });
         __syncthreads();
         if (live) {
@@ -536,7 +537,7 @@ void launch_wgrad_strips(cudaStream_t stream, const T* dy, const T* x, acc_t<T>*
                          const WgradGrid& G) {
   const int threads = int(round_up(int64_t(G.bx) * G.by * G.bz, 32));
   const unsigned blocks = unsigned(std::min<int64_t>(G.slices * G.pairs, int64_t(1) << 30));
-  const size_t shared = size_t(G.bz) * size_t(G.tile_stride) * sizeof(acc_t<T>);
+  const size_t shared = size_t(G.bz) * size_t(G.tile_stride) * sizeof(T);
   wgrad_strip_kernel<T, kTaps, kRows><<<blocks, threads, shared, stream>>>(dy, x, partial, G);
 }
 
@@ -610,7 +611,7 @@ ffi::Error run_wgrad(cudaStream_t stream, const T* dy, const T* x, T* dw, const 
     G.pitch = plan.strip.pitch;
     G.tile_stride = plan.strip.stride;
     G.x_base = plan.x_base;
-    // Half types stage x widened to float: never as raw vectors, so never pipelined.
+    // Half types stage x element by element (plan_wgrad), so never pipelined.
     G.vector_x = !is_half_type<T>() && p.W % (16 / int64_t(sizeof(T))) == 0 && aligned_to(x, 16);
     G.vector_dy = G.x_base % 4 == 0 && p.Q % 4 == 0 && aligned_to(dy, 4 * sizeof(T));
     if (G.vector_x) {
