@@ -13,6 +13,8 @@
 //   * float16/bfloat16, the tensor-core kernel: a row of taps is a banded (Toeplitz) 16x8 matrix,
 //     so 16 output rows x 8 columns are kTaps mma.sync m16n8k16 (f32 accumulation) of 16x16 tiles
 //     of the source read with ldmatrix. The products of half-type inputs are exact in float32.
+//     Planes of at most kHalfStripsAt outputs (tiling.h) take the strip kernel instead, its
+//     tiles in the half type, widened to float as they are read.
 //   With one source plane per output plane and vector-aligned rows, both run as persistent,
 //   cp.async-pipelined kernels (stencil_pipelined.cu) with the same sums in the same order.
 //   Other geometries take the same tiles with run-time loops, or global memory when their tile
@@ -20,9 +22,9 @@
 // - Wgrad (weight_gradient.cu): for each (filter, channel) pair and fixed slice of images, a
 //   block reduces dy x x over the slice into R*S partial sums stored in the scratch buffer; a
 //   second kernel adds the slices in order. No atomics: bitwise reproducible. Unit-stride
-//   3x3/5x5/7x7 taps use the strip kernel's register blocks (float32/float64) or tensor cores
-//   (half types: taps x taps = sums over rows and columns of dy x shifted rows of x, an m16n8k16
-//   product per 16 columns).
+//   3x3/5x5/7x7 taps use the strip kernel's register blocks (float32/float64, and half types on
+//   planes of at most kHalfStripsAt outputs) or tensor cores (half types: taps x taps = sums
+//   over rows and columns of dy x shifted rows of x, an m16n8k16 product per 16 columns).
 // - Bias gradient (weight_gradient.cu): one block per (batch, filter), a fixed-order reduction.
 #pragma once
 

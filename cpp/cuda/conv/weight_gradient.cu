@@ -18,7 +18,8 @@ namespace {
 // ---- Backward weight: partial sums per slice of images, then the slices in order ---------------
 
 // The weight gradient's kernel and slices of images. Fixed by the problem's shape and dtype
-// (never by the device), so that the sums are the same run to run.
+// (never by the device), so that the sums are the same run to run (JAX_KERNELS_CONV_HALF_STRIPS_AT,
+// an A/B switch, moves half-type planes between the strip and tensor-core kernels).
 enum class WgradKernel { kGeneric, kStrips, kMma };
 
 struct WgradPlan {
