@@ -1,8 +1,8 @@
 // The direct stencil kernels of the conv2d forward and dgrad (conv/direct.h says which runs when):
 // the strip kernel (float32/float64, and half types on small planes) and the tensor-core kernel
-// (float16/bfloat16) for unit-stride 3x3/5x5/7x7 taps, the generic shared-tile kernel and the global-memory kernel for any other
-// geometry, their tile planning, and run_stencil, which picks among them and the pipelined
-// kernels of stencil_pipelined.cu.
+// (float16/bfloat16) for unit-stride 3x3/5x5/7x7 taps, the generic shared-tile kernel and the
+// global-memory kernel for any other geometry, their tile planning, and run_stencil, which
+// picks among them and the pipelined kernels of stencil_pipelined.cu.
 #include <algorithm>
 #include <cstdint>
 
@@ -16,10 +16,11 @@ namespace {
 
 // The strip kernel (unit stride and dilation, kTaps x kTaps taps; upsampling allowed): float32
 // and float64, and half types on small planes (tiling.h's half_strips; tiles of the half type,
-// widened to float as they are read, weights and sums in float). A block covers bz planes x one tile of (by * kRows) x (bx * 4) outputs; thread
-// (tx, ty) of a plane computes rows ty * kRows .. + kRows - 1 of columns 4 tx .. 4 tx + 3 with
-// the weights in registers. The block's threads stage all bz tiles together; column tiles start
-// at x_base so that their source columns start on a 16-byte vector.
+// widened to float as they are read, weights and sums in float). A block covers bz planes x one
+// tile of (by * kRows) x (bx * 4) outputs; thread (tx, ty) of a plane computes rows
+// ty * kRows .. + kRows - 1 of columns 4 tx .. 4 tx + 3 with the weights in registers. The
+// block's threads stage all bz tiles together; column tiles start at x_base so that their
+// source columns start on a 16-byte vector.
 template <class T, int kTaps, int kRows>
 __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
     stencil_strip_kernel(const T* __restrict__ source, const T* __restrict__ weight,

@@ -48,10 +48,10 @@ constexpr bool is_half_type() {
 }
 
 // Half-type stencils and weight gradients of unrolled taps over planes of at most this many
-// output positions run the strip kernels (float tiles, weights and sums, the inputs widened as
-// they are staged) instead of the tensor-core ones, whose 16-row tiles leave most of each mma
-// idle on small planes (a 7x7 plane fills 49 of a 16x8 tile's 128 outputs) and whose tiles are
-// staged element by element there (rows not whole 16-byte vectors). Measured on the H200 (run
+// output positions run the strip kernels (half-type tiles widened to float as they are read,
+// float weights and sums) instead of the tensor-core ones, whose 16-row tiles leave most of each
+// mma idle on small planes (a 7x7 plane fills 49 of a 16x8 tile's 128 outputs) and whose tiles
+// are staged element by element there (rows not whole 16-byte vectors). Measured on the H200 (run
 // 34, docs/performance.md). JAX_KERNELS_CONV_HALF_STRIPS_AT sets the bound for A/B runs (1: the
 // tensor-core kernels for every plane of more than one position); it changes the bits of the
 // planes it moves (their sums run in another order).

@@ -2,7 +2,8 @@
 // images for each (filter, channel) pair, then the slices added in order (no atomics: bitwise
 // reproducible). Unit-stride 3x3/5x5/7x7 taps take the strip kernel (float32/float64,
 // cp.async-pipelined when x's rows are whole vectors; half types on small planes, tiling.h's
-// half_strips) or the tensor-core kernel (half types); other geometries a generic kernel. The bias gradient is in bias_gradient.cu.
+// half_strips) or the tensor-core kernel (half types); other geometries a generic kernel. The
+// bias gradient is in bias_gradient.cu.
 #include <algorithm>
 #include <cstdint>
 
@@ -18,8 +19,9 @@ namespace {
 // ---- Backward weight: partial sums per slice of images, then the slices in order ---------------
 
 // The weight gradient's kernel and slices of images. Fixed by the problem's shape and dtype
-// (never by the device), so that the sums are the same run to run (JAX_KERNELS_CONV_HALF_STRIPS_AT,
-// an A/B switch, moves half-type planes between the strip and tensor-core kernels).
+// (never by the device), so that the sums are the same run to run
+// (JAX_KERNELS_CONV_HALF_STRIPS_AT, an A/B switch, moves half-type planes between the strip and
+// tensor-core kernels).
 enum class WgradKernel { kGeneric, kStrips, kMma };
 
 struct WgradPlan {
@@ -96,8 +98,8 @@ WgradPlan plan_wgrad(const ConvProblem& p) {
                                                               : kWgradBlocks;
   const int64_t wanted = std::clamp<int64_t>(ceil_div(blocks, pairs), 1, p.N);
   // A block takes no more images at once than its slice holds: on small planes the shared
-  // memory would admit more (32 of 14x14), which rounded the slices up to fewer, larger blocks
-  // (two slices of 21 images for C384 N32 instead of four of 8).
+  // memory admits more (21 float32 tiles of 14x14, 32 half-type ones), which rounded the slices
+  // up to fewer, larger blocks (two slices of 21 images for C384 N32 instead of four of 8).
   plan.bz = int(std::min<int64_t>(plan.bz, ceil_div(p.N, wanted)));
   plan.images = round_up(ceil_div(p.N, wanted), plan.bz);
   plan.slices = ceil_div(p.N, plan.images);
@@ -137,10 +139,11 @@ struct WgradGrid {
 };
 
 // Unit stride and dilation, kTaps x kTaps taps: float32/float64, and half types on small
-// planes (x tiles of the half type, widened as they are read; dy blocks and sums in float). Block (slice, pair); thread
-// (z, tx, ty) holds the kTaps^2 sums of the dy register block at rows ty * kRows .. + kRows - 1,
-// columns 4 tx .. 4 tx + 3 of every tile of images first + z, first + z + bz, ... of the slice;
-// the block's threads stage the bz x tiles (with their halos) in shared memory together.
+// planes (x tiles of the half type, widened as they are read; dy blocks and sums in float).
+// Block (slice, pair); thread (z, tx, ty) holds the kTaps^2 sums of the dy register block at
+// rows ty * kRows .. + kRows - 1, columns 4 tx .. 4 tx + 3 of every tile of images first + z,
+// first + z + bz, ... of the slice; the block's threads stage the bz x tiles (with their halos)
+// in shared memory together.
 template <class T, int kTaps, int kRows>
 __global__ void __launch_bounds__(kMaxThreads, strip_blocks_per_sm<T>())
     wgrad_strip_kernel(const T* __restrict__ dy, const T* __restrict__ x,
