@@ -1468,9 +1468,13 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
                                                          : ys.d == 1 && ys.c == p.Q;
   const bool pair_pixels = std::is_same_v<T, bfloat16> && outer && p.Q % 2 == 0 && dy_compact &&
                            isa.pixel_gradient_pairs != nullptr;
-  // The outer products read float32 / float64 NCHW dy in place where its planes are compact:
-  // the staged copy held the same elements (1.5% of the float32 3x3/2 wgrad's samples).
-  const bool dy_in_place = std::is_same_v<T, A> && outer && !channels_last && dy_compact;
+  // The outer products' dy, pixel-major ([image][position][filter], positions compact), staged
+  // once per (slice, group) where dy's planes (NCHW) or pixels (channels last) are compact: every
+  // channel block then reads its chunks in place. They were staged as planes and transposed
+  // back per chunk for every channel block (channels last: transposed twice): 5.5% of the float32
+  // 3x3/2 64->128 N8 56^2 wgrad's samples were those transposes, its four channel blocks each
+  // transposing all of dy. The same elements in the same order: the same bits.
+  const bool dy_pixel_major = outer && !pair_pixels && dy_compact && !in_place;
   const auto high_half = [](A v) {
     uint32_t u;
     std::memcpy(&u, &v, 4);
@@ -1482,9 +1486,9 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
       isa.weight_gradient(blk, Kg, partial_block, Cg * RS);
       return;
     }
-    // dy's planes are compact here (staged below in rows of Q: P * Q positions, no zeros past
-    // Q), so only the output's own positions are summed: dy's position i is x's flat position
-    // i / Q * pitch + i % Q.
+    // dy's positions are compact here (staged below pixel-major, dy_pixel_major, or as planes
+    // in rows of Q: P * Q positions, no zeros past Q), so only the output's own positions are
+    // summed: dy's position i is x's flat position i / Q * pitch + i % Q.
     const int64_t channels = blk.columns / RS;
     A* chunk = scratch;                    // [kPixelChunk][Kg]: dy's positions, pixel-major
     A* sums = scratch + kPixelChunk * Kg;  // [channels * RS][Kg]
@@ -1527,8 +1531,13 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
           continue;
           }
         }
-        transpose_channels(isa, blk.dy + n * blk.dy_image_pitch + i0, blk.dy_channel_pitch, Kg,
-                           b.pixels, chunk, Kg);
+        if (dy_pixel_major) {  // staged pixel-major: the chunk's rows in place
+          b.dy = blk.dy + n * blk.dy_image_pitch + i0 * Kg;
+        } else {
+          transpose_channels(isa, blk.dy + n * blk.dy_image_pitch + i0, blk.dy_channel_pitch,
+                             Kg, b.pixels, chunk, Kg);
+          b.dy = chunk;
+        }
         for (int64_t t = 0; t < RS; ++t) {
           b.x = blk.x + n * blk.x_image_pitch + blk.column_offset[t] + i0 / p.Q * pitch +
                 i0 % p.Q;
@@ -1547,7 +1556,8 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
                [&](int64_t begin, int64_t end) {
     ThreadScratch<A> x_buffer(0, in_place ? 0 : per_slice * channel_block * x_plane);
     ThreadScratch<A> dy_buffer(
-        1, in_place || pair_pixels || dy_in_place ? 0 : per_slice * Kg * dy_plane);
+        1, in_place || pair_pixels ? 0
+                                   : per_slice * Kg * (dy_pixel_major ? p.P * p.Q : dy_plane));
     ThreadScratch<A> outer_buffer(
         2, outer ? kPixelChunk * Kg + channel_block * RS * Kg + (pair_pixels ? kPixelChunk / 2 * Kg : 0)
                  : 0);
@@ -1576,7 +1586,18 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
           continue;
         }
       }
-      if (!pair_pixels && !dy_in_place && staged != item / blocks) {  // (else dy in place)
+      if (dy_pixel_major && staged != item / blocks) {
+        staged = item / blocks;
+        for (int64_t n = 0; n < images; ++n) {
+          const T* d = dy + ys.at(first + n, g * Kg, 0, 0);
+          A* out = dy_buffer.data() + n * p.P * p.Q * Kg;
+          if (channels_last)
+            widen_pixels(isa, d, ys.d, Kg, p.P * p.Q, out);
+          else
+            transpose_channels(isa, d, ys.b, Kg, p.P * p.Q, out, Kg);
+        }
+      }
+      if (!pair_pixels && !dy_pixel_major && staged != item / blocks) {  // (pairs: in place)
         staged = item / blocks;
         // Rows at the pitch with zeros past Q, or compact for the outer products (sum_block).
         const int64_t dy_pitch = outer ? p.Q : pitch;
@@ -1619,13 +1640,7 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
       block.x_image_pitch = channel_block * x_plane;
       block.dy = dy_buffer.data();
       block.dy_image_pitch = Kg * dy_plane;
-      if constexpr (std::is_same_v<T, A>) {
-        if (dy_in_place) {
-          block.dy = dy + ys.at(first, g * Kg, 0, 0);
-          block.dy_image_pitch = ys.a;
-          block.dy_channel_pitch = ys.b;
-        }
-      }
+      if (dy_pixel_major) block.dy_image_pitch = p.P * p.Q * Kg;
       sum_block(block, partial_block, outer_buffer.data(), x_pairs,
                 pair_pixels ? dy + ys.at(first, g * Kg, 0, 0) : nullptr);
     }
