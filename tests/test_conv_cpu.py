@@ -62,6 +62,9 @@ DENSE = [
     ((7, 24, 30, 30), (8, 24, 3, 3), dict(padding=1), False),
     # 1x1, unit stride, planes of whole vectors (48 pixels): NCHW wgrad reads x and dy in place.
     ((3, 20, 8, 6), (12, 10, 1, 1), dict(groups=2), True),
+    # The same with 64 filters (whole register blocks) and rows of even length: the bfloat16
+    # pair wgrad (AVX512_BF16) reads x's NCHW planes in place as well.
+    ((2, 16, 8, 6), (64, 16, 1, 1), dict(), False),
     # The NCHW pointwise pass (1x1, unit stride, no padding: forward and dgrad on the planes in
     # place): several runs of tiles per image and a short last tile, 13 = 8 + 4 + 1 filters;
     # a plane shorter than one tile (staged alone), dilation (irrelevant to one tap).
