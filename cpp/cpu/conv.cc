@@ -962,7 +962,7 @@ void run_stencil_pass(const StencilPass<T>& s) {
   // them for the threads. A band's flat positions end anywhere in a tile, so fewer, larger bands
   // compute fewer dropped positions: 3x3/2 64->128 N8 56^2 (source rows of pitch 58, 64
   // channels: 0.97 MB for all 28 output rows) runs one band instead of two of 14 rows. With the
-  // narrowed last tile (conv_loops.inc's stencil_flat) its float32 forward went from 2.31-2.51 to
+  // narrowed last tile (conv_loops.inc's stencil_flat) its float32 forward went from 2.31-2.56 to
   // 2.21-2.41 ms on a 2-core EPYC VM (alternating processes, the same bits).
   const auto band_source_rows = [&](int64_t band) {
     return (round_up(band, kSlidingRows) - 1) * rs + row_max - row_min + 1;
