@@ -1607,18 +1607,12 @@ void run_weight_gradient(const T* dy, const T* x, T* dw, const ConvProblem& p) {
       }
       if (!pair_pixels && !dy_pixel_major && staged != item / blocks) {  // (pairs: in place)
         staged = item / blocks;
-        // Rows at the pitch with zeros past Q, or compact for the outer products (sum_block).
+        // Rows at the pitch with zeros past Q, or compact for the outer products (sum_block;
+        // dy's compact planes are staged pixel-major above instead).
         const int64_t dy_pitch = outer ? p.Q : pitch;
         for (int64_t n = 0; n < images; ++n)
           for (int64_t k = 0; k < Kg; ++k) {
             A* plane = dy_buffer.data() + (n * Kg + k) * dy_plane;
-            if (!channels_last && dy_pitch == p.Q && ys.d == 1 && ys.c == p.Q) {
-              // compact rows of a contiguous plane: one run (the rows' calls took 12% of a
-              // bfloat16 3x3 wgrad)
-              widen_row(isa, dy + ys.at(first + n, g * Kg + k, 0, 0), 1, plane, p.P * p.Q);
-              std::fill(plane + p.P * p.Q, plane + dy_plane, A(0));
-              continue;
-            }
             for (int64_t row = 0; row < p.P; ++row) {
               A* out = plane + row * dy_pitch;
               if (!channels_last)
