@@ -287,11 +287,13 @@ def _gather_emit(input, boxes, *directions, attrs, batching):
                          *directions, **attributes)
 
     def scratch_bytes():
-        # The CUDA forward sorts the boxes by position in scratch memory (and, for NCHW, stages
-        # the input in NHWC order there).
+        # The CUDA forward buckets the output bins by input region in scratch memory, or sorts
+        # the boxes by position there (and, for NCHW, stages the input in NHWC order).
         n, c, h, w = _image_extents(input.shape, attrs)
         nbytes = _ffi.query(_target("roi_align_forward_scratch", attrs), N=n, C=c, H=h, W=w,
-                            boxes=boxes.shape[0], element_bytes=np.dtype(input.dtype).itemsize)
+                            boxes=boxes.shape[0], pooled_height=attrs.pooled_height,
+                            pooled_width=attrs.pooled_width, sampling_ratio=attrs.sampling_ratio,
+                            element_bytes=np.dtype(input.dtype).itemsize)
         if nbytes == _ffi.SIZE_OVERFLOW:
             raise ValueError(f"roi_align(): the CUDA forward of {boxes.shape[0]} boxes on an input "
                              f"{tuple(input.shape)} needs more scratch memory than a 64-bit size "

@@ -126,7 +126,8 @@ def test_scratch_queries_refuse_sizes_past_int64():
                      sampling_ratio=2, element_bytes=4, deterministic=1)
     assert _ffi.query("roi_align_backward_input_scratch", C=256, **roi_align) > 0
     assert _ffi.query("roi_align_backward_input_scratch", C=2**60, **roi_align) == overflow
-    forward = dict(N=2**20, H=2**10, W=2**10, element_bytes=4)
+    forward = dict(N=2**20, H=2**10, W=2**10, pooled_height=7, pooled_width=7, sampling_ratio=2,
+                   element_bytes=4)
     assert _ffi.query("roi_align_forward_scratch", C=2**22, boxes=4, **forward) == overflow
     assert _ffi.query("roi_align_forward_scratch", C=1, boxes=2**31, **forward) == -1
     conv = {"pass": _ffi.ENUMS["ConvPass"]["backward_weight"],

@@ -513,6 +513,77 @@ def test_backward_is_bitwise_reproducible(dtype, sampling_ratio):
             assert again == first
 
 
+# --- the CUDA region forward (GPU machine) ----------------------------------------------------
+
+
+def region_problem(dtype, channels=None, height=45, width=70, count=300, seed=0):
+    """A crowded problem for the CUDA forward by image regions (scale 1: box corners in cells):
+    boxes of 2 to 60 cells over two images of 4 x 6 tiles (partial tiles at the edges), 300
+    more crowded into one tile (over 256 entries there), a box larger than the image (taps outside
+    every staged region), reversed corners, invalid batch indices, NaN and infinite corners.
+    Channels: three slabs of float32 (64, 64, 22), two of a half type (128, 20)."""
+    channels = channels or (150 if dtype == jnp.float32 else 148)
+    rng = np.random.default_rng(seed)
+    x = random(seed, (2, channels, height, width), dtype)
+    x1, y1 = rng.uniform(-5, width, count), rng.uniform(-5, height, count)
+    rows = np.stack([rng.integers(0, 2, count), x1, y1, x1 + rng.uniform(2, 60, count),
+                     y1 + rng.uniform(2, 60, count)], axis=1)
+    at = rng.uniform(0, 9, (300, 2))
+    crowd = np.column_stack([np.zeros(300), at[:, 0] + 13, at[:, 1] + 13, at[:, 0] + 14.5,
+                             at[:, 1] + 13.7])
+    extra = [[0, -30, -20, width + 40, height + 25], [1, 60, 40, 3, 2], [-1, 1, 1, 5, 5],
+             [2, 1, 1, 5, 5], [np.nan, 1, 1, 5, 5], [0, np.nan, 1, 5, 5], [1, 1, 1, np.inf, 5]]
+    boxes = np.concatenate([rows, crowd, np.asarray(extra, np.float64)])
+    return x, jnp.asarray(boxes).astype(dtype)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the forward by image regions is CUDA's")
+@pytest.mark.parametrize("sampling_ratio,aligned", [(1, False), (2, True), (2, False), (3, True),
+                                                    (8, False)])
+@pytest.mark.parametrize("data_format", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_region_forward_equals_gather_bitwise(monkeypatch, dtype, data_format, sampling_ratio,
+                                              aligned):
+    """The CUDA forward by image regions (fixed grids of float32 and half types, both layouts:
+    JAX_KERNELS_ROI_ALIGN_REGIONS=all) adds every bin's terms in the gather's order: the same
+    bits as the gather over boxes (=0), read in the same compiled program; and it equals the
+    float64 reference where float32 holds every sample position exactly (corners on a grid of
+    1/16 cell, 8 bins, a sampling ratio of 1, 2 or 8; the reference makes the zeros of a NaN batch
+    index NaN, so that box is left out there). Sampling ratio 8 takes chunks of 12 bins."""
+    monkeypatch.setenv("JAX_KERNELS_ROI_ALIGN_REGIONS", "all")  # default: float32 NHWC only
+    x, boxes = region_problem(dtype)
+    x_in = x if data_format == "NCHW" else jnp.transpose(x, (0, 2, 3, 1))
+    op = jax.jit(lambda x, b, size=7: jk.roi_align(x, b, size, 1.0, sampling_ratio, aligned,
+                                                    data_format=data_format), static_argnums=2)
+    regions = np.asarray(op(x_in, boxes))
+    if dtype == jnp.float32 and data_format == "NCHW":
+        monkeypatch.setenv("JAX_KERNELS_ROI_ALIGN_SLABS_PER_BLOCK", "2")
+        assert np.asarray(op(x_in, boxes)).tobytes() == regions.tobytes()
+        if sampling_ratio != 3:
+            exact = jnp.round(boxes * 16) / 16
+            keep = ~np.isnan(np.asarray(boxes[:, 0]))
+            expected = reference(x, exact[keep], 8, 1.0, sampling_ratio, aligned)
+            assert_close(np.asarray(op(x_in, exact, 8))[keep], expected, dtype)
+    monkeypatch.setenv("JAX_KERNELS_ROI_ALIGN_REGIONS", "0")
+    gather = np.asarray(op(x_in, boxes))
+    assert regions.tobytes() == gather.tobytes()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the forward by image regions is CUDA's")
+def test_region_forward_under_vmap_equals_gather(monkeypatch):
+    """vmap folds the mapped axis into the images (batching terms): the regions of image n + 2
+    hold the boxes of the second mapped problem."""
+    monkeypatch.setenv("JAX_KERNELS_ROI_ALIGN_REGIONS", "all")
+    x, boxes = region_problem(jnp.float32, channels=37)
+    boxes = jnp.round(boxes[~np.isnan(np.asarray(boxes[:, 0]))] * 16) / 16  # exact positions
+    xs, bs = jnp.stack([x, -x]), jnp.stack([boxes, boxes[::-1]])
+    op = jax.jit(jax.vmap(lambda x, b: jk.roi_align(x, b, (4, 8), 1.0, 2, False)))
+    regions = np.asarray(op(xs, bs))
+    monkeypatch.setenv("JAX_KERNELS_ROI_ALIGN_REGIONS", "0")
+    assert np.asarray(op(xs, bs)).tobytes() == regions.tobytes()
+    assert_close(regions[1], reference(-x, boxes[::-1], (4, 8), 1.0, 2, False), jnp.float32)
+
+
 # --- torchvision (GPU machine) -----------------------------------------------------------------
 
 

@@ -52,6 +52,8 @@ def forward(x, b, a):
 
     def scratch_bytes():
         return _ffi.query("roi_align_forward_scratch", N=n, C=c, H=h, W=w, boxes=k,
+                          pooled_height=OUT[0], pooled_width=OUT[1],
+                          sampling_ratio=int(a["sampling_ratio"]),
                           element_bytes=np.dtype(x.dtype).itemsize)
 
     return _ffi.call_with_cuda_scratch("jk_roi_align_fwd", result, x, b,

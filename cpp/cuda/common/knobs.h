@@ -14,6 +14,12 @@ inline bool knob_off(const char* name) {
   return value != nullptr && std::strcmp(value, "0") == 0;
 }
 
+// Whether the switch `name` is set to `value`.
+inline bool knob_is(const char* name, const char* value) {
+  const char* set = std::getenv(name);
+  return set != nullptr && std::strcmp(set, value) == 0;
+}
+
 // The count the variable `name` sets (a positive integer), or `fallback` where it is unset,
 // empty or not a positive integer.
 inline int knob_count(const char* name, int fallback) {

@@ -79,6 +79,15 @@ __device__ __forceinline__ void load_slab(const T* __restrict__ at, int lanes, i
   }
 }
 
+// The bilinear sum w1 v1 + w2 v2 + w3 v3 + w4 v4 of the CUDA forwards (BilinearTaps::value's
+// order), with its contraction into fused multiply-adds written out: w2 v2 rounded, w1 v1 fused
+// onto it, then w3 v3 and w4 v4. The gather over boxes and the region forward give the same bits
+// whatever a compiler would fuse by itself.
+template <class A>
+__device__ __forceinline__ A bilinear_sum(A w1, A v1, A w2, A v2, A w3, A v3, A w4, A v4) {
+  return fma(w4, v4, fma(w3, v3, fma(w1, v1, w2 * v2)));
+}
+
 // Calls f(per_lane, vec, index) with the compile-time shape of a slab kernel: channels per lane,
 // channels per load (4 only for float32 with `vector`), and 32- or 64-bit offsets (`narrow`).
 template <class T, class F>

@@ -7,6 +7,9 @@
 // contiguous runs. Scratch (the staged input, the sort) comes from XLA as an extra result sized
 // by the host query "roi_align_forward_scratch".
 //
+// The handler takes the forward by image regions instead (forward_regions.h) for float32
+// channels-last calls with a fixed sampling grid, where the scratch holds its plan.
+//
 // Channels last (jk_roi_align_nhwc_fwd, the same kernel instantiated for RoiAlignNHWC): the input
 // is read in place (no staging: the scratch holds the sort only, host query
 // "roi_align_nhwc_forward_scratch") and each lane stores its channels of a bin straight to the
@@ -16,6 +19,7 @@
 #include <string>
 #include <type_traits>
 
+#include "common/knobs.h"
 #include "common/launch.h"
 #include "common/radix_sort.cuh"
 #include "common/scratch.h"
@@ -23,6 +27,7 @@
 #include "jax_kernels/ffi_util.h"
 #include "jax_kernels/roi_align.h"
 #include "roi_align/channel_slabs.cuh"
+#include "roi_align/forward_regions.h"
 
 JK_ROI_ALIGN_REGISTER_ATTRS();
 
@@ -139,9 +144,9 @@ __global__ void __launch_bounds__(kThreads, 2)
           load_slab<T, kPerLane, kVec>(image + (high + Index(sx.high)) * C, lanes, lane,
                                        channels, values[3]);
 #pragma unroll
-          for (int u = 0; u < kPerLane; ++u)  // BilinearTaps::value's order of operations
-            acc[u] += taps.w1 * to_acc(values[0][u]) + taps.w2 * to_acc(values[1][u]) +
-                      taps.w3 * to_acc(values[2][u]) + taps.w4 * to_acc(values[3][u]);
+          for (int u = 0; u < kPerLane; ++u)
+            acc[u] += bilinear_sum(taps.w1, to_acc(values[0][u]), taps.w2, to_acc(values[1][u]),
+                                   taps.w3, to_acc(values[2][u]), taps.w4, to_acc(values[3][u]));
         });
       if constexpr (Layout::kChannelsLast) {
         T* o = out + (k * bins + (ph0 + r) * p.PW + pw0 + c) * p.C + c0;
@@ -217,15 +222,21 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Host queries "roi_align_forward_scratch" and "roi_align_nhwc_forward_scratch": the bytes of
-// the forward's scratch, -1 if the box sort's keys do not fit 32 bits, kSizeOverflow if the
-// bytes cannot be represented. Arguments: N, C, H, W, `boxes` (K) and element_bytes.
+// the forward's scratch (room for either route: the gather over boxes, and the region forward
+// where the call is eligible), -1 if neither route takes the call (the box sort's keys do not
+// fit 32 bits), kSizeOverflow if the bytes cannot be represented. Arguments: N, C, H, W,
+// `boxes` (K), pooled_height, pooled_width, sampling_ratio and element_bytes.
 template <class Layout>
 int64_t forward_scratch_query(const QueryArgs& a) {
+  const int64_t N = a["N"], C = a["C"], H = a["H"], W = a["W"], K = a["boxes"];
+  const int64_t bytes = a["element_bytes"];
+  const RegionPlan regions =
+      region_plan(N, C, H, W, K, a["pooled_height"], a["pooled_width"], a["sampling_ratio"], bytes);
   ForwardLayout s;
-  if (!forward_layout(a["N"], a["C"], a["H"], a["W"], a["boxes"], a["element_bytes"],
-                      !Layout::kChannelsLast, &s))
-    return -1;
-  return s.total < 0 ? kSizeOverflow : s.total;
+  const bool gather = forward_layout(N, C, H, W, K, bytes, !Layout::kChannelsLast, &s);
+  if (!gather && !regions.eligible) return -1;
+  if (gather && s.total < 0) return kSizeOverflow;
+  return regions.eligible ? std::max(regions.total, gather ? s.total : 0) : s.total;
 }
 
 // ---- handler -----------------------------------------------------------------------------------
@@ -239,9 +250,34 @@ ffi::Error roi_align_forward(cudaStream_t stream, ffi::AnyBuffer input, ffi::Any
   if (auto err = roi_align_problem<Layout>(op, attrs, input, boxes, *out, &p); err.failure())
     return err;
   if (p.K * p.C * p.bins() == 0) return ffi::Error::Success();
+  const int64_t element_bytes = int64_t(ffi::ByteWidth(input.element_type()));
+  // The region forward where the call is eligible, the scratch holds its plan (a program
+  // exported before it existed asked for the gather's scratch only) and it was measured against
+  // the gather over boxes: float32 channels last (run 35: level on the FPN 7x7 case, 1.28x on
+  // 14x14; NCHW, staged in the kernel, lost to the gather's transpose, and the half types were
+  // not timed). JAX_KERNELS_ROI_ALIGN_REGIONS=0 keeps every call on the gather, =all takes every
+  // eligible call to the regions (the same bits either way).
+  const RegionPlan regions = region_plan(p.N, p.C, p.H, p.W, p.K, p.PH, p.PW, p.sampling_ratio,
+                                         element_bytes);
+  bool wanted = Layout::kChannelsLast && input.element_type() == ffi::DataType::F32;
+  if (knob_off("JAX_KERNELS_ROI_ALIGN_REGIONS")) wanted = false;
+  if (knob_is("JAX_KERNELS_ROI_ALIGN_REGIONS", "all")) wanted = true;
+  if (regions.eligible && wanted && int64_t(scratch->size_bytes()) >= regions.total) {
+    char* base = aligned_scratch(scratch->untyped_data());
+    return dispatch_float(input.element_type(), op, [&](auto tag) -> ffi::Error {
+      using T = typename decltype(tag)::type;
+      if constexpr (std::is_same_v<T, double>) {
+        return ffi::Error::Internal("roi_align: no region forward for float64");
+      } else {
+        return cuda_status(op, roi_align_forward_regions<Layout, T>(
+                                   static_cast<const T*>(input.untyped_data()),
+                                   static_cast<const T*>(boxes.untyped_data()),
+                                   static_cast<T*>(out->untyped_data()), p, regions, base, stream));
+      }
+    });
+  }
   ForwardLayout layout;
-  if (!forward_layout(p.N, p.C, p.H, p.W, p.K, int64_t(ffi::ByteWidth(input.element_type())),
-                      !Layout::kChannelsLast, &layout))
+  if (!forward_layout(p.N, p.C, p.H, p.W, p.K, element_bytes, !Layout::kChannelsLast, &layout))
     return ffi::Error::InvalidArgument("roi_align: too many boxes or rows for the box sort");
   if (layout.total < 0 || int64_t(scratch->size_bytes()) < layout.total)
     return ffi::Error::InvalidArgument("roi_align: scratch buffer smaller than the query's size");
