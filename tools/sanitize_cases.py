@@ -63,14 +63,24 @@ def roi_align_cases(dtype):
             jax.block_until_ready(grad(xl, boxes))
             jax.block_until_ready(jax.vmap(grad)(jnp.stack([xl, -xl]), jnp.stack([boxes, boxes])))
             second_order(lambda x, b: jnp.sum(op(x, b) ** 2), xl, boxes)
-    # many boxes over larger images: the CUDA forward's staged regions (and their edge tiles)
+    # many boxes over larger images: the CUDA forward's staged regions (and their edge tiles), on
+    # every call that the region forward takes (its switch is read at every call)
     crowded = jnp.asarray(np.concatenate([
         np.column_stack([np.arange(120) % 2, np.linspace(-6, 40, 120), np.linspace(-4, 30, 120),
                          np.linspace(2, 70, 120), np.linspace(5, 45, 120)]),
         [[0, -30, -20, 90, 60], [1, 1, 1, np.inf, 5]]])).astype(dtype)
     big = rand(2, 37, 35, 50, dtype=dtype)
-    for data_format, xl in (("NCHW", big), ("NHWC", jnp.moveaxis(big, 1, -1))):
-        jax.block_until_ready(jk.roi_align(xl, crowded, 7, 1.0, 2, False, data_format=data_format))
+    route = os.environ.get("JAX_KERNELS_ROI_ALIGN_REGIONS")
+    os.environ["JAX_KERNELS_ROI_ALIGN_REGIONS"] = "all"
+    try:
+        for data_format, xl in (("NCHW", big), ("NHWC", jnp.moveaxis(big, 1, -1))):
+            jax.block_until_ready(jk.roi_align(xl, crowded, 7, 1.0, 2, False,
+                                               data_format=data_format))
+    finally:
+        if route is None:
+            del os.environ["JAX_KERNELS_ROI_ALIGN_REGIONS"]
+        else:
+            os.environ["JAX_KERNELS_ROI_ALIGN_REGIONS"] = route
     no_boxes = lambda x: jnp.sum(jk.roi_align(x, boxes[:0], 3).astype(jnp.float32))
     jax.block_until_ready(jax.grad(no_boxes)(x))
     # boxes over an input with no image or no channel, both layouts
