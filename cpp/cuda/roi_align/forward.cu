@@ -338,7 +338,8 @@ JK_ROI_ALIGN_FORWARD_CUDA_HANDLER(NhwcCuda, RoiAlignNHWC);
 JK_REGISTER_TARGET("jk_roi_align_fwd", RoiAlignForwardCuda, "roi_align", "forward",
                    "cuda NHWC staging + channel-slab gather", "bitwise");
 JK_REGISTER_TARGET("jk_roi_align_nhwc_fwd", RoiAlignForwardNhwcCuda, "roi_align", "forward (NHWC)",
-                   "cuda channel-slab gather (in place)", "bitwise");
+                   "cuda channel-slab gather (in place); float32 with a fixed sampling ratio: "
+                   "image regions staged in shared memory", "bitwise");
 JK_REGISTER_QUERY("roi_align_forward_scratch", forward_scratch_query<RoiAlignNCHW>);
 JK_REGISTER_QUERY("roi_align_nhwc_forward_scratch", forward_scratch_query<RoiAlignNHWC>);
 
